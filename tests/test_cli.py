@@ -1,0 +1,153 @@
+import json
+import os
+from pathlib import Path
+
+import pytest
+import typer
+from typer.main import get_command
+
+from flashdraft.cli import app
+
+COMMANDS = ["generate", "tokenize", "train", "eval", "manifest", "verify", "sync", "status", "run", "demo", "estimate"]
+
+# The CLI is an interface others script against (DESIGN §6): a new or renamed flag must be a deliberate
+# change to this table, not an accident.
+FROZEN_FLAGS = {
+    "generate": [
+        "--backend",
+        "--base-url",
+        "--batch-size",
+        "--config",
+        "--json",
+        "--max-new-tokens",
+        "--model",
+        "--num-shards",
+        "--out",
+        "--prompts",
+        "--shard-index",
+        "--temperature",
+        "--thinking",
+    ],
+    "tokenize": [
+        "--block-size",
+        "--config",
+        "--input",
+        "--json",
+        "--max-length",
+        "--min-loss-fraction",
+        "--out",
+        "--tokenizer",
+        "--workers",
+    ],
+    "train": ["--config", "--data", "--epochs", "--json", "--max-steps", "--out", "--resume", "--target"],
+    "eval": ["--config", "--drafter", "--json", "--max-new-tokens", "--out", "--prompts", "--target", "--temperature"],
+    "manifest": ["--json", "--kind"],
+    "verify": ["--deep", "--json"],
+    "sync": ["--delete", "--jobs", "--json"],
+    "status": ["--json", "--store"],
+    "run": ["--dry-run", "--from", "--store", "--until"],
+    "demo": ["--workdir"],
+    "estimate": [],
+}
+
+
+def test_help_lists_every_command(cli):
+    proc = cli("--help", check=True)
+    for name in COMMANDS:
+        assert f" {name} " in proc.stdout, name
+
+
+def test_version(cli):
+    assert cli("--version", check=True).stdout.startswith("flashdraft 0.")
+
+
+@pytest.mark.parametrize("name", COMMANDS)
+def test_every_command_has_help(cli, name):
+    proc = cli(name, "--help", check=True)
+    assert "Usage:" in proc.stdout and len(proc.stdout) > 200
+
+
+def test_flag_set_is_frozen():
+    group = get_command(app)
+    ctx = typer.Context(group)
+    for name, flags in FROZEN_FLAGS.items():
+        command = group.get_command(ctx, name)
+        found = sorted(opt for p in command.params for opt in p.opts if opt.startswith("--") and opt not in ("--help",))
+        assert found == sorted(flags), name
+
+
+@pytest.mark.parametrize("args", [["generate"], ["tokenize"], ["train"], ["eval"], ["status"]])
+def test_unbuilt_stages_say_so_and_exit_2(cli, args):
+    proc = cli(*args)
+    assert proc.returncode == 2
+    assert "not implemented yet" in proc.stderr
+    assert proc.stdout == ""  # no output that looks like work
+
+
+def _make_artifact(cli, root: Path) -> None:
+    (root / "d").mkdir(parents=True)
+    (root / "d" / "x.bin").write_bytes(os.urandom(4096))
+    (root / "y.txt").write_text("some text\n")
+    proc = cli("manifest", str(root), "--json", check=True)
+    assert json.loads(proc.stdout.splitlines()[-1])["files"] == 2
+
+
+def _tamper_same_size(root):
+    p = root / "d" / "x.bin"
+    b = bytearray(p.read_bytes())
+    b[0] ^= 1
+    p.write_bytes(bytes(b))
+    return "d/x.bin"
+
+
+def _truncate(root):
+    (root / "y.txt").write_text("some")
+    return "y.txt"
+
+
+def _delete(root):
+    (root / "y.txt").unlink()
+    return "y.txt"
+
+
+def _extra(root):
+    (root / "d" / "stray.arrow").write_bytes(b"1")
+    return "d/stray.arrow"
+
+
+def _drop_manifest(root):
+    (root / "manifest.json").unlink()
+    return "manifest.json"
+
+
+def _garble_manifest(root):
+    (root / "manifest.json").write_text('{"format": 1, "kind": "files", "files": [')
+    return "manifest.json"
+
+
+@pytest.mark.parametrize("tamper", [_tamper_same_size, _truncate, _delete, _extra, _drop_manifest, _garble_manifest])
+def test_verify_cli_names_the_file_and_fails(cli, tmp_path, tamper):
+    _make_artifact(cli, tmp_path)
+    ok = cli("verify", str(tmp_path), "--json", check=True)
+    assert json.loads(ok.stdout.splitlines()[-1]) == {"ok": True, "problems": []}
+
+    name = tamper(tmp_path)
+    proc = cli("verify", str(tmp_path), "--json")
+    assert proc.returncode == 1
+    report = json.loads(proc.stdout.splitlines()[-1])
+    assert report["ok"] is False
+    assert [p["path"] for p in report["problems"]] == [name]
+    assert name in proc.stderr
+
+
+def test_verify_of_a_non_directory_is_a_clear_error(cli, tmp_path):
+    proc = cli("verify", str(tmp_path / "nope"))
+    assert proc.returncode == 1 and "not a directory" in proc.stderr
+
+
+def test_run_reports_config_errors_with_file_and_line(cli, tmp_path):
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("train:\n  lr: 0.001\n  learning_rate: 0.1\n")
+    proc = cli("run", str(cfg))
+    assert proc.returncode == 1
+    assert f"{cfg}:3: train.learning_rate: unknown key" in proc.stderr
