@@ -22,6 +22,7 @@ from datetime import UTC, datetime
 from pathlib import Path, PurePosixPath
 from typing import Any, Literal, get_args
 
+from awscrt.checksums import crc64nvme
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from flashdraft import __version__
@@ -87,23 +88,48 @@ def atomic_write_text(path: str | Path, text: str) -> None:
 # ---------------------------------------------------------------------------------------------- hashing
 
 
-def sha256_file(path: str | Path) -> str:
-    """Stream a file through SHA-256 in bounded memory."""
-    digest = hashlib.sha256()
+@dataclass(frozen=True)
+class Digest:
+    sha256: str  # hex; the identity of the content
+    crc64nvme: str  # hex; the full-object checksum S3-compatible stores validate on multipart uploads
+
+
+class StreamingDigest:
+    """SHA-256 and CRC64NVME over bytes fed in order (one pass: CRC64NVME costs ~3 % of SHA-256)."""
+
+    def __init__(self) -> None:
+        self._sha = hashlib.sha256()
+        self._crc = 0
+
+    def update(self, chunk: bytes) -> None:
+        self._sha.update(chunk)
+        self._crc = crc64nvme(chunk, self._crc)
+
+    def digest(self) -> Digest:
+        return Digest(self._sha.hexdigest(), f"{self._crc:016x}")
+
+
+def digest_file(path: str | Path) -> Digest:
+    """Stream a file through SHA-256 and CRC64NVME in bounded memory."""
+    digest = StreamingDigest()
     with open(path, "rb") as f:
         while chunk := f.read(HASH_CHUNK):
             digest.update(chunk)
-    return digest.hexdigest()
+    return digest.digest()
 
 
-def sha256_files(paths: Iterable[Path], jobs: int | None = None) -> list[str]:
-    """Hash many files on all cores. Threads suffice: hashlib releases the GIL on large buffers."""
+def sha256_file(path: str | Path) -> str:
+    return digest_file(path).sha256
+
+
+def digest_files(paths: Iterable[Path], jobs: int | None = None) -> list[Digest]:
+    """Hash many files on all cores. Threads suffice: hashlib and awscrt release the GIL on large buffers."""
     paths = list(paths)
     jobs = jobs or os.cpu_count() or 1
     if len(paths) <= 1 or jobs == 1:
-        return [sha256_file(p) for p in paths]
+        return [digest_file(p) for p in paths]
     with ThreadPoolExecutor(max_workers=min(jobs, len(paths))) as pool:
-        return list(pool.map(sha256_file, paths))
+        return list(pool.map(digest_file, paths))
 
 
 def sha256_json(obj: Any) -> str:
@@ -120,6 +146,7 @@ class FileEntry(BaseModel):
     path: str  # POSIX path relative to the artifact root
     size: int
     sha256: str
+    crc64nvme: str | None = None  # lets an object store confirm a multipart upload server-side
 
 
 class Lineage(BaseModel):
@@ -196,8 +223,11 @@ def build_manifest(
     rels = list_data_files(root)
     paths = [root / r for r in rels]
     sizes = [p.stat().st_size for p in paths]
-    digests = sha256_files(paths, jobs)
-    files = [FileEntry(path=r, size=s, sha256=d) for r, s, d in zip(rels, sizes, digests, strict=True)]
+    digests = digest_files(paths, jobs)
+    files = [
+        FileEntry(path=r, size=s, sha256=d.sha256, crc64nvme=d.crc64nvme)
+        for r, s, d in zip(rels, sizes, digests, strict=True)
+    ]
     return Manifest(
         kind=kind,
         files=files,
@@ -278,9 +308,9 @@ def verify_dir(root: str | Path, deep: bool = True, jobs: int | None = None) -> 
         elif deep:
             to_hash.append((entry, path))
 
-    digests = sha256_files((p for _, p in to_hash), jobs)
+    digests = digest_files((p for _, p in to_hash), jobs)
     for (entry, _), digest in zip(to_hash, digests, strict=True):
-        if digest != entry.sha256:
+        if digest.sha256 != entry.sha256:
             problems.append(Problem(entry.path, "content differs: sha256 does not match the manifest"))
 
     listed = {e.path for e in manifest.files}

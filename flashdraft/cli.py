@@ -28,8 +28,8 @@ app = typer.Typer(
     add_completion=False,
     pretty_exceptions_enable=False,
 )
-console = Console(highlight=False)
-err_console = Console(stderr=True, highlight=False)
+console = Console(highlight=False, soft_wrap=True)
+err_console = Console(stderr=True, highlight=False, soft_wrap=True)
 
 JsonFlag = Annotated[bool, typer.Option("--json", help="Print one JSON object as the last line of output.")]
 ConfigFlag = Annotated[
@@ -157,28 +157,58 @@ def manifest(
         emit_json({"path": str(directory), "files": len(built.files), "bytes": built.total_bytes, "sha256": digest})
 
 
-@app.command()
-def verify(
-    path: Annotated[str, typer.Argument(help="Artifact directory (or store URL).")],
-    deep: Annotated[bool, typer.Option(help="Re-read every byte (local directories always do).")] = False,
-    json_out: JsonFlag = False,
-) -> None:
-    """Check an artifact against its manifest: every file present, same size and hash, nothing unlisted."""
-    from flashdraft.artifact import verify_dir
+ProfileFlag = Annotated[str | None, typer.Option(help="AWS profile (credentials stay in ~/.aws, never in flags).")]
+EndpointFlag = Annotated[str | None, typer.Option(help="S3 endpoint URL (default: AWS_ENDPOINT_URL or AWS).")]
 
-    if not Path(path).is_dir():
-        fail(f"{path} is not a directory")
-    problems = verify_dir(path)
+
+def _open_store(location: str, profile: str | None, endpoint_url: str | None, jobs: int = 8):
+    from flashdraft.store import StoreError, open_store
+
+    try:
+        return open_store(location, profile=profile, endpoint_url=endpoint_url, jobs=jobs)
+    except StoreError as e:
+        fail(str(e))
+    except Exception as e:  # botocore: unknown profile, malformed config: say it at the boundary
+        fail(f"cannot open {location}: {e}")
+
+
+def _report_problems(where: str, problems: list, json_out: bool) -> None:
     for p in problems:
         err_console.print(f"[red]✗[/red] {escape(str(p))}", soft_wrap=True)
-    if problems:
-        console.print(f"verify: {path} — NOT verified, {len(problems)} problem(s)")
-    else:
-        console.print(f"verify: {path} — verified")
+    verdict = f"NOT verified, {len(problems)} problem(s)" if problems else "verified"
+    console.print(f"verify: {where} — {verdict}", soft_wrap=True)
     if json_out:
         emit_json({"ok": not problems, "problems": [{"path": p.path, "problem": p.problem} for p in problems]})
     if problems:
         raise typer.Exit(1)
+
+
+@app.command()
+def verify(
+    path: Annotated[str, typer.Argument(help="Artifact directory or s3://bucket/prefix.")],
+    deep: Annotated[
+        bool, typer.Option(help="Stores: download and re-hash every object. Local directories are always re-hashed.")
+    ] = False,
+    profile: ProfileFlag = None,
+    endpoint_url: EndpointFlag = None,
+    json_out: JsonFlag = False,
+) -> None:
+    """Check an artifact against its manifest: every file present, same size and hash, nothing unlisted."""
+    from flashdraft.artifact import verify_dir
+    from flashdraft.store import StoreError, is_url
+    from flashdraft.sync import verify_store
+
+    if is_url(path):
+        store = _open_store(path, profile, endpoint_url)
+        try:
+            problems = verify_store(store, deep=deep)
+        except StoreError as e:
+            fail(str(e))
+    elif Path(path).is_dir():
+        problems = verify_dir(path)
+    else:
+        fail(f"{path} is not a directory")
+    _report_problems(path, problems, json_out)
 
 
 class Direction(StrEnum):
@@ -188,15 +218,59 @@ class Direction(StrEnum):
 
 @app.command()
 def sync(
-    direction: Annotated[Direction, typer.Argument(help="push (local → store) or pull (store → local).")],
-    src: Annotated[str, typer.Argument(help="Source artifact: directory or s3://bucket/prefix.")],
-    dst: Annotated[str, typer.Argument(help="Destination: directory or s3://bucket/prefix.")],
-    delete: Annotated[bool, typer.Option(help="Remove destination files the manifest no longer lists.")] = False,
+    direction: Annotated[Direction, typer.Argument(help="push (directory → store) or pull (store → directory).")],
+    src: Annotated[str, typer.Argument(help="Source artifact: directory (push) or s3://bucket/prefix (pull).")],
+    dst: Annotated[str, typer.Argument(help="Destination: s3://bucket/prefix or directory (push), directory (pull).")],
+    delete: Annotated[bool, typer.Option(help="Remove destination files the manifest does not list.")] = False,
     jobs: Annotated[int, typer.Option(help="Parallel transfers.")] = 8,
+    part_size_mb: Annotated[int, typer.Option(help="Multipart part size; larger files go multipart.")] = 64,
+    profile: ProfileFlag = None,
+    endpoint_url: EndpointFlag = None,
+    verbose: Annotated[bool, typer.Option(help="Debug logging (credentials are redacted).")] = False,
     json_out: JsonFlag = False,
 ) -> None:
     """Copy an artifact by content (hash), manifest last, and verify it at the destination."""
-    not_implemented("sync")
+    from flashdraft.store import StoreError, is_url
+    from flashdraft.sync import VerifyFailed, pull, push
+
+    if direction is Direction.push and is_url(src):
+        fail("push copies a local directory to a store: SRC must be a directory (did you mean pull?)")
+    if direction is Direction.pull and is_url(dst):
+        fail("pull copies a store artifact into a local directory: DST must be a directory")
+    remote = dst if direction is Direction.push else src
+    store = _open_store(remote, profile, endpoint_url, jobs)
+    if verbose:
+        _debug_logging(store.redactor if hasattr(store, "redactor") else None)
+    try:
+        if direction is Direction.push:
+            result = push(
+                Path(src),
+                store,
+                delete=delete,
+                jobs=jobs,
+                part_size=part_size_mb << 20,
+                console=err_console,
+                log=console.print,
+            )
+        else:
+            result = pull(store, Path(dst), delete=delete, jobs=jobs, console=err_console)
+    except VerifyFailed as e:
+        _report_problems(e.where, e.problems, json_out)
+    except StoreError as e:
+        fail(str(e))
+    console.print(result.line(), soft_wrap=True)
+    if json_out:
+        emit_json(result.to_json())
+
+
+def _debug_logging(redactor) -> None:
+    import logging
+
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter("%(asctime)s %(name)s %(levelname)s %(message)s"))
+    if redactor is not None:
+        handler.addFilter(redactor)
+    logging.basicConfig(level=logging.DEBUG, handlers=[handler], force=True)
 
 
 # ---------------------------------------------------------------------------------------------- pipeline

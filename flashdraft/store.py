@@ -1,0 +1,369 @@
+"""Where artifacts live: a local directory or an S3-compatible prefix, behind one small interface.
+
+    s3://bucket/some/prefix   → S3Store (boto3; endpoint, region, credentials from the standard AWS chain)
+    any other path            → LocalStore
+
+Every put is verified by the store itself: S3 gets the manifest's SHA-256 (single part) or per-part and
+full-object CRC64NVME (multipart) and rejects a body that does not match (BadDigest); the local store hashes
+what it wrote. `head` returns the checksum the store holds, so `sync` and `verify` compare content, never mtime.
+"""
+
+from __future__ import annotations
+
+import base64
+import logging
+import os
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from flashdraft.artifact import (
+    HASH_CHUNK,
+    MANIFEST,
+    FileEntry,
+    StreamingDigest,
+    digest_file,
+    is_internal,
+    list_data_files,
+    temp_path_for,
+)
+
+Progress = Callable[[int], None]  # called with a number of bytes just moved
+
+DEFAULT_PART_SIZE = 64 << 20
+MIN_PART_SIZE = 5 << 20  # S3's floor for every part but the last
+
+
+class StoreError(Exception):
+    """The store refused, could not be reached, or holds something other than what was sent."""
+
+
+@dataclass(frozen=True)
+class Remote:
+    """What the store says about one object: its size and the checksums it can vouch for (hex)."""
+
+    size: int
+    sha256: str | None = None
+    crc64nvme: str | None = None
+
+    def matches(self, entry: FileEntry) -> bool:
+        if self.size != entry.size:
+            return False
+        if self.sha256 is not None:
+            return self.sha256 == entry.sha256
+        return self.crc64nvme is not None and self.crc64nvme == entry.crc64nvme
+
+
+def is_url(location: str) -> bool:
+    return location.startswith("s3://")
+
+
+def open_store(location: str, *, profile: str | None = None, endpoint_url: str | None = None, jobs: int = 8):
+    if is_url(location):
+        return S3Store(location, profile=profile, endpoint_url=endpoint_url, jobs=jobs)
+    if "://" in location:
+        raise StoreError(f"unsupported store URL {location!r}: use a local directory or s3://bucket/prefix")
+    return LocalStore(location)
+
+
+# ---------------------------------------------------------------------------------------------- local
+
+
+class LocalStore:
+    """A directory. Writes go through temp names + rename; `head` re-hashes (there is no server to ask)."""
+
+    def __init__(self, root: str | Path) -> None:
+        self.root = Path(root)
+        self.url = str(root)
+
+    def list(self) -> dict[str, int]:
+        if not self.root.is_dir():
+            return {}
+        names = list_data_files(self.root)
+        if (self.root / MANIFEST).is_file():
+            names.append(MANIFEST)
+        return {n: (self.root / n).stat().st_size for n in names}
+
+    def head(self, rel: str) -> Remote | None:
+        path = self.root / rel
+        if not path.is_file():
+            return None
+        digest = digest_file(path)
+        return Remote(path.stat().st_size, digest.sha256, digest.crc64nvme)
+
+    def upload(self, local: Path, entry: FileEntry, progress: Progress, part_size: int = DEFAULT_PART_SIZE) -> None:
+        dest = self.root / entry.path
+        _copy_verified(local, dest, entry, progress)
+
+    def download(self, rel: str, dest: Path, entry: FileEntry, progress: Progress) -> None:
+        _copy_verified(self.root / rel, dest, entry, progress)
+
+    def hash_object(self, rel: str) -> str:
+        return digest_file(self.root / rel).sha256
+
+    def read_bytes(self, rel: str) -> bytes | None:
+        try:
+            return (self.root / rel).read_bytes()
+        except FileNotFoundError:
+            return None
+
+    def put_manifest(self, data: bytes) -> None:
+        from flashdraft.artifact import atomic_write_bytes
+
+        atomic_write_bytes(self.root / MANIFEST, data)
+
+    def delete(self, rel: str) -> None:
+        (self.root / rel).unlink(missing_ok=True)
+
+
+def _copy_verified(src: Path, dest: Path, entry: FileEntry, progress: Progress) -> None:
+    """Copy src → dest through a temp name, hashing the bytes written; rename only if they match the entry."""
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    tmp = temp_path_for(dest)
+    digest = StreamingDigest()
+    try:
+        with open(src, "rb") as fin, open(tmp, "wb") as fout:
+            while chunk := fin.read(HASH_CHUNK):
+                digest.update(chunk)
+                fout.write(chunk)
+                progress(len(chunk))
+            fout.flush()
+            os.fsync(fout.fileno())
+        got = digest.digest()
+        if got.sha256 != entry.sha256:
+            raise StoreError(f"{entry.path}: content differs from the manifest (sha256 {got.sha256[:12]}…)")
+        os.replace(tmp, dest)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+# ---------------------------------------------------------------------------------------------- S3
+
+
+def _b64(hex_digest: str) -> str:
+    return base64.b64encode(bytes.fromhex(hex_digest)).decode()
+
+
+def _hex(b64_digest: str | None) -> str | None:
+    return base64.b64decode(b64_digest).hex() if b64_digest else None
+
+
+class SecretRedactor(logging.Filter):
+    """Scrubs credentials from every log record (botocore's debug logs include signed headers)."""
+
+    SIGNATURE = re.compile(r"(Signature=|Credential=|X-Amz-Security-Token[=:]\s*)[^\s,'\"&]+")
+
+    def __init__(self, secrets: list[str]) -> None:
+        super().__init__()
+        self.secrets = [s for s in secrets if s and len(s) >= 4]
+
+    def redact(self, text: str) -> str:
+        for secret in self.secrets:
+            text = text.replace(secret, "***")
+        return self.SIGNATURE.sub(r"\1***", text)
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        record.msg = self.redact(record.getMessage())
+        record.args = None
+        return True
+
+
+class S3Store:
+    """An s3://bucket/prefix on AWS S3 or any S3-compatible server."""
+
+    def __init__(self, url: str, *, profile: str | None = None, endpoint_url: str | None = None, jobs: int = 8):
+        import boto3
+        from botocore.config import Config
+
+        self.url = url.rstrip("/")
+        bucket, _, prefix = self.url[len("s3://") :].partition("/")
+        if not bucket:
+            raise StoreError(f"{url!r} has no bucket: use s3://bucket/prefix")
+        self.bucket, self.prefix = bucket, prefix.strip("/")
+        session = boto3.session.Session(profile_name=profile)
+        self.endpoint = endpoint_url or os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
+        config = Config(
+            retries={"max_attempts": int(os.environ.get("FLASHDRAFT_S3_ATTEMPTS", "6")), "mode": "standard"},
+            connect_timeout=5,
+            read_timeout=60,
+            max_pool_connections=max(10, jobs * 2),
+            # flashdraft supplies its own checksums (from the manifest); botocore need not compute more.
+            request_checksum_calculation="when_required",
+            response_checksum_validation="when_required",
+        )
+        self.client = session.client(
+            "s3", endpoint_url=self.endpoint, region_name=session.region_name or "us-east-1", config=config
+        )
+        creds = session.get_credentials()
+        frozen = creds.get_frozen_credentials() if creds else None
+        self.redactor = SecretRedactor([frozen.access_key, frozen.secret_key, frozen.token or ""] if frozen else [])
+
+    # -- plumbing
+
+    def key(self, rel: str) -> str:
+        return f"{self.prefix}/{rel}" if self.prefix else rel
+
+    def _call(self, what: str, fn: Callable, **kwargs):
+        from botocore.exceptions import BotoCoreError, ClientError
+
+        try:
+            return fn(Bucket=self.bucket, **kwargs)
+        except ClientError as e:
+            code = e.response.get("Error", {}).get("Code", "?")
+            message = e.response.get("Error", {}).get("Message", "")
+            raise StoreError(self.redactor.redact(f"{what}: {code}: {message}")) from None
+        except BotoCoreError as e:
+            where = self.endpoint or "the default S3 endpoint"
+            raise StoreError(self.redactor.redact(f"{what}: cannot reach {where} after retries: {e}")) from None
+
+    # -- interface
+
+    def list(self) -> dict[str, int]:
+        found: dict[str, int] = {}
+        paginator = self.client.get_paginator("list_objects_v2")
+        base = f"{self.prefix}/" if self.prefix else ""
+        pages = self._call(f"list {self.url}", lambda **kw: list(paginator.paginate(**kw)), Prefix=base)
+        for page in pages:
+            for obj in page.get("Contents", []):
+                rel = obj["Key"][len(base) :]
+                if rel and not is_internal(rel):
+                    found[rel] = obj["Size"]
+        return found
+
+    def head(self, rel: str) -> Remote | None:
+        from botocore.exceptions import ClientError
+
+        try:
+            r = self.client.head_object(Bucket=self.bucket, Key=self.key(rel), ChecksumMode="ENABLED")
+        except ClientError as e:
+            if e.response.get("Error", {}).get("Code") in ("404", "NoSuchKey", "NotFound"):
+                return None
+            raise StoreError(self.redactor.redact(f"head {rel}: {e}")) from None
+        return Remote(r["ContentLength"], _hex(r.get("ChecksumSHA256")), _hex(r.get("ChecksumCRC64NVME")))
+
+    def upload(self, local: Path, entry: FileEntry, progress: Progress, part_size: int = DEFAULT_PART_SIZE) -> None:
+        part_size = max(part_size, MIN_PART_SIZE)
+        if entry.size <= part_size:
+            with open(local, "rb") as f:
+                # The server re-hashes the body against the manifest's SHA-256 and rejects a mismatch.
+                self._call(
+                    f"upload {entry.path}",
+                    self.client.put_object,
+                    Key=self.key(entry.path),
+                    Body=f,
+                    ContentLength=entry.size,
+                    ChecksumSHA256=_b64(entry.sha256),
+                )
+            progress(entry.size)
+        else:
+            self._upload_multipart(local, entry, progress, part_size)
+
+    def _upload_multipart(self, local: Path, entry: FileEntry, progress: Progress, part_size: int) -> None:
+        from awscrt.checksums import crc64nvme
+
+        key = self.key(entry.path)
+        upload = self._call(
+            f"upload {entry.path}",
+            self.client.create_multipart_upload,
+            Key=key,
+            ChecksumAlgorithm="CRC64NVME",
+            ChecksumType="FULL_OBJECT",
+        )
+        upload_id = upload["UploadId"]
+        digest = StreamingDigest()
+        parts = []
+        try:
+            with open(local, "rb") as f:
+                number = 0
+                while part := f.read(part_size):
+                    number += 1
+                    digest.update(part)
+                    r = self._call(
+                        f"upload {entry.path} part {number}",
+                        self.client.upload_part,
+                        Key=key,
+                        UploadId=upload_id,
+                        PartNumber=number,
+                        Body=part,
+                        ChecksumCRC64NVME=_b64(f"{crc64nvme(part):016x}"),
+                    )
+                    parts.append({"PartNumber": number, "ETag": r["ETag"], "ChecksumCRC64NVME": r["ChecksumCRC64NVME"]})
+                    progress(len(part))
+            got = digest.digest()
+            if got.sha256 != entry.sha256:
+                raise StoreError(f"{entry.path}: local file changed since its manifest was written (sha256 differs)")
+            # The server checks the whole object against the manifest's CRC64NVME before the object appears.
+            self._call(
+                f"upload {entry.path}",
+                self.client.complete_multipart_upload,
+                Key=key,
+                UploadId=upload_id,
+                MultipartUpload={"Parts": parts},
+                ChecksumCRC64NVME=_b64(entry.crc64nvme or got.crc64nvme),
+                ChecksumType="FULL_OBJECT",
+            )
+        except BaseException:
+            self.client.abort_multipart_upload(Bucket=self.bucket, Key=key, UploadId=upload_id)
+            raise
+
+    def download(self, rel: str, dest: Path, entry: FileEntry, progress: Progress) -> None:
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        tmp = temp_path_for(dest)
+        digest = StreamingDigest()
+        try:
+            body = self._call(f"download {rel}", self.client.get_object, Key=self.key(rel))["Body"]
+            with open(tmp, "wb") as out:
+                for chunk in body.iter_chunks(HASH_CHUNK):
+                    digest.update(chunk)
+                    out.write(chunk)
+                    progress(len(chunk))
+                out.flush()
+                os.fsync(out.fileno())
+            got = digest.digest()
+            if got.sha256 != entry.sha256:
+                raise StoreError(f"{rel}: downloaded bytes do not match the manifest (sha256 {got.sha256[:12]}…)")
+            os.replace(tmp, dest)
+        finally:
+            tmp.unlink(missing_ok=True)
+
+    def hash_object(self, rel: str) -> str:
+        """Deep check: stream the object and hash it here."""
+        digest = StreamingDigest()
+        body = self._call(f"download {rel}", self.client.get_object, Key=self.key(rel))["Body"]
+        for chunk in body.iter_chunks(HASH_CHUNK):
+            digest.update(chunk)
+        return digest.digest().sha256
+
+    def read_bytes(self, rel: str) -> bytes | None:
+        from botocore.exceptions import ClientError
+
+        try:
+            return self.client.get_object(Bucket=self.bucket, Key=self.key(rel))["Body"].read()
+        except ClientError as e:
+            if e.response.get("Error", {}).get("Code") in ("404", "NoSuchKey", "NotFound"):
+                return None
+            raise StoreError(self.redactor.redact(f"read {rel}: {e}")) from None
+
+    def put_manifest(self, data: bytes) -> None:
+        """Conditional create: the manifest appears once, whole, and never over another writer's."""
+        import hashlib
+
+        from botocore.exceptions import ClientError
+
+        try:
+            self.client.put_object(
+                Bucket=self.bucket,
+                Key=self.key(MANIFEST),
+                Body=data,
+                ChecksumSHA256=_b64(hashlib.sha256(data).hexdigest()),
+                IfNoneMatch="*",
+            )
+        except ClientError as e:
+            if e.response.get("Error", {}).get("Code") not in ("PreconditionFailed", "412"):
+                raise StoreError(self.redactor.redact(f"commit manifest: {e}")) from None
+            if self.read_bytes(MANIFEST) != data:
+                raise StoreError(f"{self.url}: another writer committed a different manifest meanwhile") from None
+
+    def delete(self, rel: str) -> None:
+        self._call(f"delete {rel}", self.client.delete_object, Key=self.key(rel))

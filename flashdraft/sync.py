@@ -1,0 +1,322 @@
+"""sync: move an artifact between a local directory and a store — by content, manifest last, verified there.
+
+    flashdraft sync push out/dataset s3://bucket/run1/dataset     # upload what differs, verify, commit
+    flashdraft sync pull s3://bucket/run1/dataset out/dataset     # download what differs, verify, commit
+    flashdraft verify s3://bucket/run1/dataset [--deep]           # list + head checksums (or re-hash)
+
+A file is sent iff the destination lacks it or holds different content (size + the store's checksum against
+the manifest's SHA-256 / CRC64NVME), so a same-size edit is always sent and an identical file never is. While
+files change, the destination's manifest is absent: the artifact there does not exist until every file has
+been confirmed by the store, and only then is the manifest written (a conditional create on S3).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from rich.console import Console
+from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TransferSpeedColumn
+
+from flashdraft.artifact import (
+    MANIFEST,
+    FileEntry,
+    Manifest,
+    ManifestError,
+    Problem,
+    atomic_write_bytes,
+    build_manifest,
+    digest_files,
+    list_data_files,
+    parse_manifest,
+    read_manifest,
+    unsafe_path_reason,
+    verify_dir,
+    write_manifest,
+)
+from flashdraft.store import DEFAULT_PART_SIZE, Remote, StoreError
+
+
+@dataclass
+class SyncResult:
+    direction: str  # push | pull
+    src: str
+    dst: str
+    transferred: int = 0
+    bytes_transferred: int = 0
+    skipped: int = 0
+    deleted: int = 0
+    verified: int = 0
+    already_done: bool = False
+
+    def line(self) -> str:
+        moved = "uploaded" if self.direction == "push" else "downloaded"
+        if self.already_done:
+            return f"{self.direction}: {self.dst} already done, verified ({self.verified} files, nothing {moved})"
+        deleted = f", deleted {self.deleted}" if self.deleted else ""
+        return (
+            f"{self.direction}: {self.dst} — {moved} {self.transferred} ({self.bytes_transferred:,} bytes), "
+            f"already present {self.skipped}{deleted}, verified {self.verified}"
+        )
+
+    def to_json(self) -> dict:
+        moved = "uploaded" if self.direction == "push" else "downloaded"
+        return {
+            "ok": True,
+            moved: self.transferred,
+            f"bytes_{moved}": self.bytes_transferred,
+            "skipped": self.skipped,
+            "deleted": self.deleted,
+            "verified": self.verified,
+            "already_done": self.already_done,
+        }
+
+
+@dataclass
+class VerifyFailed(Exception):
+    where: str
+    problems: list[Problem] = field(default_factory=list)
+
+    def __str__(self) -> str:
+        shown = "; ".join(str(p) for p in self.problems[:5])
+        more = f" (+{len(self.problems) - 5} more)" if len(self.problems) > 5 else ""
+        return f"{self.where} does not verify: {shown}{more}"
+
+
+# ---------------------------------------------------------------------------------------------- helpers
+
+
+@contextmanager
+def transfer_progress(console: Console | None, total: int, label: str) -> Iterator[Callable[[int], None]]:
+    """A bytes + bytes/s progress bar (on a terminal); yields a thread-safe `advance(nbytes)`."""
+    if console is None or total == 0:
+        yield lambda n: None
+        return
+    columns = (TextColumn(label), BarColumn(), DownloadColumn(), TransferSpeedColumn())
+    with Progress(*columns, console=console, transient=True, disable=not console.is_terminal) as bar:
+        task = bar.add_task(label, total=total)
+        yield lambda n: bar.advance(task, n)
+
+
+def _parallel(fn: Callable, items: list, jobs: int) -> list:
+    if not items:
+        return []
+    with ThreadPoolExecutor(max_workers=max(1, min(jobs, len(items)))) as pool:
+        return list(pool.map(fn, items))
+
+
+def _transfer_all(fn: Callable[[FileEntry], None], entries: list[FileEntry], jobs: int) -> None:
+    """Run every transfer; afterwards raise one error naming each file that failed."""
+
+    def attempt(entry: FileEntry) -> str | None:
+        try:
+            fn(entry)
+        except (StoreError, OSError) as e:
+            return f"{entry.path}: {e}"
+        return None
+
+    failures = [f for f in _parallel(attempt, entries, jobs) if f]
+    if failures:
+        raise StoreError(f"{len(failures)} transfer(s) failed: " + "; ".join(failures[:5]))
+
+
+def local_manifest(src: Path, log: Callable[[str], None]) -> tuple[Manifest, bytes]:
+    """SRC's manifest as bytes, after checking SRC against it (every byte re-hashed, on all cores).
+
+    A plain directory (kind `files`: no manifest yet, or one built by `manifest`/`sync`) is re-described when
+    its files changed, so a same-size edit is sent; a stage's artifact that no longer verifies is refused.
+    """
+    if not src.is_dir():
+        raise StoreError(f"{src} is not a directory")
+    if not (src / MANIFEST).exists():
+        write_manifest(src, built := build_manifest(src, kind="files"))
+        log(f"notice: {src} had no manifest.json; built one ({len(built.files)} files)")
+    elif problems := verify_dir(src):
+        try:
+            kind = read_manifest(src).kind
+        except ManifestError:
+            kind = "files"
+        if kind != "files":
+            raise VerifyFailed(str(src), problems)
+        write_manifest(src, built := build_manifest(src, kind="files"))
+        log(f"notice: {src} changed since its manifest ({problems[0]}…); re-described it ({len(built.files)} files)")
+    raw = (src / MANIFEST).read_bytes()
+    return parse_manifest(raw), raw
+
+
+def check_objects(store, manifest: Manifest, jobs: int, known: dict[str, Remote] | None = None) -> list[Problem]:
+    """Destination check: list (nothing missing, nothing extra) and the store's checksum of every object.
+
+    `known` holds heads taken moments ago in this run (objects not re-sent), so each object is asked once.
+    """
+    listing = store.list()
+    known = known or {}
+    listed = {e.path for e in manifest.files}
+    to_head = [e.path for e in manifest.files if e.path in listing and e.path not in known]
+    heads = dict(known) | dict(zip(to_head, _parallel(store.head, to_head, jobs), strict=True))
+    problems = []
+    for entry in manifest.files:
+        remote = heads.get(entry.path)
+        if entry.path not in listing or remote is None:
+            problems.append(Problem(entry.path, "missing at the destination"))
+        elif remote.size != entry.size:
+            problems.append(Problem(entry.path, f"size {remote.size}, manifest says {entry.size}"))
+        elif not remote.matches(entry):
+            problems.append(Problem(entry.path, "content differs: the store's checksum does not match the manifest"))
+    for rel in sorted(listing):
+        if rel != MANIFEST and rel not in listed:
+            problems.append(Problem(rel, "unlisted object: not in the manifest (push with --delete to remove it)"))
+    return problems
+
+
+# ---------------------------------------------------------------------------------------------- push
+
+
+def push(
+    src: Path,
+    store,
+    *,
+    delete: bool = False,
+    jobs: int = 8,
+    part_size: int = DEFAULT_PART_SIZE,
+    console: Console | None = None,
+    log: Callable[[str], None] = print,
+) -> SyncResult:
+    manifest, raw = local_manifest(Path(src), log)
+    result = SyncResult("push", str(src), store.url)
+    listing = store.list()
+    listed = {e.path for e in manifest.files}
+
+    # What the destination already holds, by content: head every object whose size already matches.
+    same_size = [e for e in manifest.files if listing.get(e.path) == e.size]
+    heads = dict(
+        zip([e.path for e in same_size], _parallel(store.head, [e.path for e in same_size], jobs), strict=True)
+    )
+    present = {rel: h for rel, h in heads.items() if h is not None}
+    to_send = [e for e in manifest.files if not (e.path in present and present[e.path].matches(e))]
+    extra = [rel for rel in listing if rel != MANIFEST and rel not in listed]
+    remote_manifest = store.read_bytes(MANIFEST) if MANIFEST in listing else None
+
+    if not to_send and not extra and remote_manifest == raw:
+        result.already_done, result.skipped, result.verified = True, len(manifest.files), len(manifest.files)
+        return result
+
+    if remote_manifest is not None:
+        store.delete(MANIFEST)  # the old artifact stops existing before any of its files change
+    total = sum(e.size for e in to_send)
+    with transfer_progress(console, total, "upload") as advance:
+        _transfer_all(lambda e: store.upload(Path(src) / e.path, e, advance, part_size), to_send, jobs)
+    if delete:
+        for rel in extra:
+            store.delete(rel)
+        result.deleted = len(extra)
+
+    sent = {e.path for e in to_send}
+    problems = check_objects(store, manifest, jobs, known={k: v for k, v in present.items() if k not in sent})
+    if problems:
+        raise VerifyFailed(store.url, problems)
+    store.put_manifest(raw)
+    if store.read_bytes(MANIFEST) != raw:
+        raise VerifyFailed(store.url, [Problem(MANIFEST, "the committed manifest does not read back identically")])
+
+    result.transferred, result.bytes_transferred = len(to_send), total
+    result.skipped, result.verified = len(manifest.files) - len(to_send), len(manifest.files)
+    return result
+
+
+# ---------------------------------------------------------------------------------------------- pull
+
+
+def remote_manifest(store) -> tuple[Manifest, bytes]:
+    raw = store.read_bytes(MANIFEST)
+    if raw is None:
+        raise StoreError(f"no artifact at {store.url}: {MANIFEST} is missing (never committed, or deleted)")
+    try:
+        return parse_manifest(raw), raw
+    except ManifestError as e:
+        raise StoreError(f"{store.url}/{MANIFEST}: {e}") from None
+
+
+def refuse_unsafe_paths(manifest: Manifest, dst: Path) -> None:
+    """A manifest from a store is input: reject any path that would land outside `dst`."""
+    root = dst.resolve()
+    bad = []
+    for entry in manifest.files:
+        reason = unsafe_path_reason(entry.path)
+        if reason is None and not (root / entry.path).resolve().is_relative_to(root):
+            reason = "resolves outside the destination"
+        if reason:
+            bad.append(f"{entry.path!r} ({reason})")
+    if bad:
+        raise StoreError(f"refusing to pull: the manifest lists unsafe paths: {', '.join(bad[:5])}")
+
+
+def pull(
+    store,
+    dst: Path,
+    *,
+    delete: bool = False,
+    jobs: int = 8,
+    console: Console | None = None,
+) -> SyncResult:
+    dst = Path(dst)
+    manifest, raw = remote_manifest(store)
+    refuse_unsafe_paths(manifest, dst)
+    result = SyncResult("pull", store.url, str(dst))
+
+    # What is here already, by content.
+    candidates = [e for e in manifest.files if (dst / e.path).is_file() and (dst / e.path).stat().st_size == e.size]
+    digests = digest_files([dst / e.path for e in candidates], jobs)
+    present = {e.path for e, d in zip(candidates, digests, strict=True) if d.sha256 == e.sha256}
+    to_fetch = [e for e in manifest.files if e.path not in present]
+    listed = {e.path for e in manifest.files}
+    extra = [rel for rel in list_data_files(dst) if rel not in listed] if dst.is_dir() else []
+    local_raw = (dst / MANIFEST).read_bytes() if (dst / MANIFEST).is_file() else None
+
+    if not to_fetch and not extra and local_raw == raw:
+        result.already_done, result.skipped, result.verified = True, len(manifest.files), len(manifest.files)
+        return result
+
+    if local_raw is not None:
+        (dst / MANIFEST).unlink()  # the local copy stops being an artifact while it changes
+    total = sum(e.size for e in to_fetch)
+    with transfer_progress(console, total, "download") as advance:
+        # Each download is hashed as it is written and renamed into place only if it matches.
+        _transfer_all(lambda e: store.download(e.path, dst / e.path, e, advance), to_fetch, jobs)
+    if extra and not delete:
+        raise VerifyFailed(
+            str(dst), [Problem(rel, "unlisted local file (pull with --delete to remove it)") for rel in extra]
+        )
+    for rel in extra:
+        (dst / rel).unlink()
+    dst.mkdir(parents=True, exist_ok=True)
+    atomic_write_bytes(dst / MANIFEST, raw)
+    result.transferred, result.bytes_transferred, result.deleted = len(to_fetch), total, len(extra)
+    result.skipped, result.verified = len(present), len(manifest.files)
+    return result
+
+
+# ---------------------------------------------------------------------------------------------- verify
+
+
+def verify_store(store, *, deep: bool = False, jobs: int = 8) -> list[Problem]:
+    """Check an artifact where it lives: manifest readable, safe paths, list + checksums (or re-hash)."""
+    try:
+        manifest, _ = remote_manifest(store)
+    except StoreError as e:
+        return [Problem(MANIFEST, str(e))]
+    problems = [
+        Problem(e.path, f"refused manifest entry: {r}") for e in manifest.files if (r := unsafe_path_reason(e.path))
+    ]
+    if problems:
+        return problems
+    problems = check_objects(store, manifest, jobs)
+    if deep and not problems:
+        hashes = _parallel(store.hash_object, [e.path for e in manifest.files], jobs)
+        for entry, digest in zip(manifest.files, hashes, strict=True):
+            if digest != entry.sha256:
+                problems.append(Problem(entry.path, "content differs: re-hashed bytes do not match the manifest"))
+    return problems
