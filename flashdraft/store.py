@@ -14,7 +14,7 @@ import base64
 import logging
 import os
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -93,11 +93,10 @@ class LocalStore:
         return Remote(path.stat().st_size, digest.sha256, digest.crc64nvme)
 
     def upload(self, local: Path, entry: FileEntry, progress: Progress, part_size: int = DEFAULT_PART_SIZE) -> None:
-        dest = self.root / entry.path
-        _copy_verified(local, dest, entry, progress)
+        write_verified(_file_chunks(local), self.root / entry.path, entry, progress)
 
     def download(self, rel: str, dest: Path, entry: FileEntry, progress: Progress) -> None:
-        _copy_verified(self.root / rel, dest, entry, progress)
+        write_verified(_file_chunks(self.root / rel), dest, entry, progress)
 
     def hash_object(self, rel: str) -> str:
         return digest_file(self.root / rel).sha256
@@ -117,22 +116,28 @@ class LocalStore:
         (self.root / rel).unlink(missing_ok=True)
 
 
-def _copy_verified(src: Path, dest: Path, entry: FileEntry, progress: Progress) -> None:
-    """Copy src → dest through a temp name, hashing the bytes written; rename only if they match the entry."""
+def _file_chunks(path: Path) -> Iterator[bytes]:
+    with open(path, "rb") as f:
+        while chunk := f.read(HASH_CHUNK):
+            yield chunk
+
+
+def write_verified(chunks: Iterable[bytes], dest: Path, entry: FileEntry, progress: Progress) -> None:
+    """Write `chunks` to a temp sibling of `dest`, hashing them; rename into place only if they match the entry."""
     dest.parent.mkdir(parents=True, exist_ok=True)
     tmp = temp_path_for(dest)
     digest = StreamingDigest()
     try:
-        with open(src, "rb") as fin, open(tmp, "wb") as fout:
-            while chunk := fin.read(HASH_CHUNK):
+        with open(tmp, "wb") as out:
+            for chunk in chunks:
                 digest.update(chunk)
-                fout.write(chunk)
+                out.write(chunk)
                 progress(len(chunk))
-            fout.flush()
-            os.fsync(fout.fileno())
+            out.flush()
+            os.fsync(out.fileno())
         got = digest.digest()
         if got.sha256 != entry.sha256:
-            raise StoreError(f"{entry.path}: content differs from the manifest (sha256 {got.sha256[:12]}…)")
+            raise StoreError(f"{entry.path}: bytes do not match the manifest (sha256 {got.sha256[:12]}…)")
         os.replace(tmp, dest)
     finally:
         tmp.unlink(missing_ok=True)
@@ -308,24 +313,8 @@ class S3Store:
             raise
 
     def download(self, rel: str, dest: Path, entry: FileEntry, progress: Progress) -> None:
-        dest.parent.mkdir(parents=True, exist_ok=True)
-        tmp = temp_path_for(dest)
-        digest = StreamingDigest()
-        try:
-            body = self._call(f"download {rel}", self.client.get_object, Key=self.key(rel))["Body"]
-            with open(tmp, "wb") as out:
-                for chunk in body.iter_chunks(HASH_CHUNK):
-                    digest.update(chunk)
-                    out.write(chunk)
-                    progress(len(chunk))
-                out.flush()
-                os.fsync(out.fileno())
-            got = digest.digest()
-            if got.sha256 != entry.sha256:
-                raise StoreError(f"{rel}: downloaded bytes do not match the manifest (sha256 {got.sha256[:12]}…)")
-            os.replace(tmp, dest)
-        finally:
-            tmp.unlink(missing_ok=True)
+        body = self._call(f"download {rel}", self.client.get_object, Key=self.key(rel))["Body"]
+        write_verified(body.iter_chunks(HASH_CHUNK), dest, entry, progress)
 
     def hash_object(self, rel: str) -> str:
         """Deep check: stream the object and hash it here."""

