@@ -55,6 +55,14 @@ class Remote:
         return self.crc64nvme is not None and self.crc64nvme == entry.crc64nvme
 
 
+@dataclass(frozen=True)
+class Listed:
+    """One object as a listing shows it. The ETag changes whenever the object is overwritten."""
+
+    size: int
+    etag: str | None = None
+
+
 def is_url(location: str) -> bool:
     return location.startswith("s3://")
 
@@ -77,13 +85,13 @@ class LocalStore:
         self.root = Path(root)
         self.url = str(root)
 
-    def list(self) -> dict[str, int]:
+    def list(self) -> dict[str, Listed]:
         if not self.root.is_dir():
             return {}
         names = list_data_files(self.root)
         if (self.root / MANIFEST).is_file():
             names.append(MANIFEST)
-        return {n: (self.root / n).stat().st_size for n in names}
+        return {n: Listed((self.root / n).stat().st_size) for n in names}
 
     def head(self, rel: str) -> Remote | None:
         path = self.root / rel
@@ -224,8 +232,8 @@ class S3Store:
 
     # -- interface
 
-    def list(self) -> dict[str, int]:
-        found: dict[str, int] = {}
+    def list(self) -> dict[str, Listed]:
+        found: dict[str, Listed] = {}
         paginator = self.client.get_paginator("list_objects_v2")
         base = f"{self.prefix}/" if self.prefix else ""
         pages = self._call(f"list {self.url}", lambda **kw: list(paginator.paginate(**kw)), Prefix=base)
@@ -233,7 +241,7 @@ class S3Store:
             for obj in page.get("Contents", []):
                 rel = obj["Key"][len(base) :]
                 if rel and not is_internal(rel):
-                    found[rel] = obj["Size"]
+                    found[rel] = Listed(obj["Size"], obj.get("ETag"))
         return found
 
     def head(self, rel: str) -> Remote | None:

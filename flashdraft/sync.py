@@ -12,6 +12,7 @@ been confirmed by the store, and only then is the manifest written (a conditiona
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
@@ -28,6 +29,7 @@ from flashdraft.artifact import (
     ManifestError,
     Problem,
     atomic_write_bytes,
+    atomic_write_text,
     build_manifest,
     digest_files,
     list_data_files,
@@ -37,7 +39,7 @@ from flashdraft.artifact import (
     verify_dir,
     write_manifest,
 )
-from flashdraft.store import DEFAULT_PART_SIZE, Remote, StoreError
+from flashdraft.store import DEFAULT_PART_SIZE, Listed, Remote, StoreError
 
 
 @dataclass
@@ -147,16 +149,21 @@ def local_manifest(src: Path, log: Callable[[str], None]) -> tuple[Manifest, byt
     return parse_manifest(raw), raw
 
 
-def check_objects(store, manifest: Manifest, jobs: int, known: dict[str, Remote] | None = None) -> list[Problem]:
+def check_objects(
+    store, manifest: Manifest, jobs: int, known: dict[str, Remote] | None = None, confirmed: dict | None = None
+) -> list[Problem]:
     """Destination check: list (nothing missing, nothing extra) and the store's checksum of every object.
 
     `known` holds heads taken moments ago in this run (objects not re-sent), so each object is asked once.
+    `confirmed` (out) receives the listing entry of every object whose checksum was looked at.
     """
+    confirmed = {} if confirmed is None else confirmed
     listing = store.list()
     known = known or {}
     listed = {e.path for e in manifest.files}
     to_head = [e.path for e in manifest.files if e.path in listing and e.path not in known]
     heads = dict(known) | dict(zip(to_head, _parallel(store.head, to_head, jobs), strict=True))
+    confirmed.update({rel: listing[rel] for rel, h in heads.items() if rel in listing and h is not None})
     problems = []
     for entry in manifest.files:
         remote = heads.get(entry.path)
@@ -189,18 +196,20 @@ def push(
     result = SyncResult("push", str(src), store.url)
     listing = store.list()
     listed = {e.path for e in manifest.files}
+    memo = EtagMemo(Path(src), store.url)
 
-    # What the destination already holds, by content: head every object whose size already matches.
-    same_size = [e for e in manifest.files if listing.get(e.path) == e.size]
-    heads = dict(
-        zip([e.path for e in same_size], _parallel(store.head, [e.path for e in same_size], jobs), strict=True)
-    )
-    present = {rel: h for rel, h in heads.items() if h is not None}
+    # What the destination already holds, by content: the store's checksum of every object whose size
+    # matches, or, for an object this machine confirmed before, its unchanged ETag in the listing.
+    same_size = [e for e in manifest.files if e.path in listing and listing[e.path].size == e.size]
+    present = {e.path: Remote(e.size, e.sha256) for e in same_size if memo.vouches(e, listing[e.path])}
+    to_head = [e.path for e in same_size if e.path not in present]
+    present |= {r: h for r, h in zip(to_head, _parallel(store.head, to_head, jobs), strict=True) if h is not None}
     to_send = [e for e in manifest.files if not (e.path in present and present[e.path].matches(e))]
     extra = [rel for rel in listing if rel != MANIFEST and rel not in listed]
     remote_manifest = store.read_bytes(MANIFEST) if MANIFEST in listing else None
 
     if not to_send and not extra and remote_manifest == raw:
+        memo.save(manifest, {rel: listing[rel] for rel in listed})
         result.already_done, result.skipped, result.verified = True, len(manifest.files), len(manifest.files)
         return result
 
@@ -215,16 +224,50 @@ def push(
         result.deleted = len(extra)
 
     sent = {e.path for e in to_send}
-    problems = check_objects(store, manifest, jobs, known={k: v for k, v in present.items() if k not in sent})
+    confirmed: dict = {}
+    known = {k: v for k, v in present.items() if k not in sent}
+    problems = check_objects(store, manifest, jobs, known=known, confirmed=confirmed)
     if problems:
         raise VerifyFailed(store.url, problems)
     store.put_manifest(raw)
     if store.read_bytes(MANIFEST) != raw:
         raise VerifyFailed(store.url, [Problem(MANIFEST, "the committed manifest does not read back identically")])
+    memo.save(manifest, confirmed)
 
     result.transferred, result.bytes_transferred = len(to_send), total
     result.skipped, result.verified = len(manifest.files) - len(to_send), len(manifest.files)
     return result
+
+
+class EtagMemo:
+    """ETags of objects whose checksums this machine confirmed against the manifest, per store URL.
+
+    A store changes an object's ETag whenever it is overwritten, so an unchanged ETag in a fresh listing
+    vouches for content confirmed earlier: a no-op re-sync of 1,000 files costs one listing, not 1,000
+    HEADs. Kept beside the source under an internal name (never data, never uploaded).
+    """
+
+    NAME = ".flashdraft-etags.json"
+
+    def __init__(self, src: Path, url: str) -> None:
+        self.path, self.url = src / self.NAME, url
+        try:
+            self.all = json.loads(self.path.read_text())
+        except (OSError, ValueError):
+            self.all = {}
+        self.known: dict = self.all.get(url, {}) if isinstance(self.all, dict) else {}
+
+    def vouches(self, entry: FileEntry, listed: Listed) -> bool:
+        seen = self.known.get(entry.path)
+        return listed.etag is not None and seen == [listed.etag, entry.sha256]
+
+    def save(self, manifest: Manifest, confirmed: dict[str, Listed]) -> None:
+        by_path = {e.path: e for e in manifest.files}
+        memo = {
+            rel: [item.etag, by_path[rel].sha256] for rel, item in confirmed.items() if item.etag and rel in by_path
+        }
+        self.all = (self.all if isinstance(self.all, dict) else {}) | {self.url: memo}
+        atomic_write_text(self.path, json.dumps(self.all))
 
 
 # ---------------------------------------------------------------------------------------------- pull

@@ -295,3 +295,28 @@ def test_verify_store_reports_problems_without_raising(tmp_path, url):
         a = make_artifact(tmp_path / "a", kind="dataset")
         (a / "extra.bin").write_bytes(b"1")
         push(a, store, log=lambda s: None)
+
+
+def test_noop_resync_costs_one_listing_and_still_sees_overwrites(tmp_path, url, s3env):
+    a = make_artifact(tmp_path / "a", sizes=[1000] * 20)
+    push(a, open_store(url), log=lambda s: None)
+
+    def pushed_with_head_count():
+        store = open_store(url)
+        heads = []
+        store.client.meta.events.register("before-call.s3.HeadObject", lambda **kw: heads.append(1))
+        return push(a, store, log=lambda s: None), len(heads)
+
+    result, heads = pushed_with_head_count()
+    assert result.already_done and heads == 0  # the listing's unchanged ETags vouch for confirmed content
+
+    bucket, _, prefix = url[5:].partition("/")
+    s3env.client().put_object(Bucket=bucket, Key=f"{prefix}/f8.bin", Body=os.urandom(1000))  # out of band
+    result, heads = pushed_with_head_count()
+    assert not result.already_done and result.transferred == 1
+    assert heads == 2  # that object only: once to find the change, once to confirm the repair
+    assert not list_remote_problems(url)
+
+
+def list_remote_problems(url):
+    return verify_store(open_store(url), deep=True)
