@@ -42,6 +42,13 @@ def fail(message: str, code: int = 1) -> NoReturn:
     raise typer.Exit(code)
 
 
+def _load(config: Path | None, overrides: dict[str, Any]):
+    try:
+        return load_config(config, overrides)
+    except ConfigError as e:
+        fail(str(e))
+
+
 def not_implemented(command: str) -> NoReturn:
     fail(f"`flashdraft {command}` is not implemented yet", code=2)
 
@@ -81,11 +88,39 @@ def generate(
     thinking: Annotated[str | None, typer.Option(help="on | off: enable_thinking in the chat template.")] = None,
     shard_index: Annotated[int | None, typer.Option(help="This machine's slice of the prompts (0-based).")] = None,
     num_shards: Annotated[int | None, typer.Option(help="How many machines split the prompts.")] = None,
+    upload_to: Annotated[
+        str | None, typer.Option(help="Push each committed batch to this store URL as it lands; verify at the end.")
+    ] = None,
     config: ConfigFlag = None,
     json_out: JsonFlag = False,
 ) -> None:
     """Regenerate responses with the target model into committed batch files (resumable, shardable)."""
-    not_implemented("generate")
+    from flashdraft import generate as stage
+
+    if thinking not in (None, "on", "off"):
+        fail("--thinking takes on or off")
+    overrides = {
+        "generate.prompts": str(prompts) if prompts else None,
+        "generate.backend": backend,
+        "generate.model": model,
+        "generate.base_urls": base_url or None,
+        "generate.max_new_tokens": max_new_tokens,
+        "generate.batch_size": batch_size,
+        "generate.temperature": temperature,
+        "generate.thinking": None if thinking is None else thinking == "on",
+        "generate.shard_index": shard_index,
+        "generate.num_shards": num_shards,
+    }
+    cfg = _load(config, overrides)
+    if not 0 <= cfg.generate.shard_index < cfg.generate.num_shards:
+        fail(f"--shard-index must be in 0..{cfg.generate.num_shards - 1}")
+    out = out or Path(cfg.workdir) / "generate"
+    try:
+        stats = stage.run(cfg.generate, out, upload_to=upload_to, console=err_console, log=console.print)
+    except (stage.OutputInUse, FileNotFoundError, ValueError, RuntimeError) as e:
+        fail(str(e))
+    if json_out:
+        emit_json({"path": str(out), **stats})
 
 
 @app.command()

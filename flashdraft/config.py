@@ -32,6 +32,10 @@ class GenerateConfig(Section):
     thinking: bool = False
     shard_index: int = 0
     num_shards: int = 1
+    concurrency: int = 64  # openai: requests in flight across all endpoints
+    max_retries: int = 5  # openai: retries per request (429 / 5xx / connection), with backoff
+    timeout_s: float = 600.0  # openai: per request
+    seed: int = 0
 
 
 class TokenizeConfig(Section):

@@ -27,6 +27,7 @@ FROZEN_FLAGS = {
         "--shard-index",
         "--temperature",
         "--thinking",
+        "--upload-to",
     ],
     "tokenize": [
         "--block-size",
@@ -76,7 +77,7 @@ def test_flag_set_is_frozen():
         assert found == sorted(flags), name
 
 
-@pytest.mark.parametrize("args", [["generate"], ["tokenize"], ["train"], ["eval"], ["status"]])
+@pytest.mark.parametrize("args", [["tokenize"], ["train"], ["eval"], ["status"]])
 def test_unbuilt_stages_say_so_and_exit_2(cli, args):
     proc = cli(*args)
     assert proc.returncode == 2

@@ -1,0 +1,248 @@
+"""Generation backends for `generate`: each turns a list of prompts into one Completion per prompt.
+
+    hf      transformers, batched with left padding, CPU or GPU (the embedded default)
+    openai  any OpenAI-compatible chat-completions server (vLLM, SGLang, `transformers serve`), async
+    vllm    in-process `vllm.LLM` (GPU machines; optional import)
+
+A backend never raises for one bad request: the Completion carries `error`, and the stage writes it to
+errors.jsonl. Reasoning is split from the answer here, so every backend stores them the same way.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+from dataclasses import dataclass
+from typing import Any
+
+from flashdraft.config import EMBEDDED_TARGET, GenerateConfig
+from flashdraft.prompts import Prompt
+
+THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
+
+
+@dataclass
+class Completion:
+    content: str = ""
+    reasoning: str | None = None
+    finish_reason: str = "stop"  # stop | length | error
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    token_ids: list[int] | None = None
+    stray_think_markers: int = 0
+    error: str | None = None
+
+
+def split_reasoning(text: str, reasoning: str | None = None) -> tuple[str | None, str, int]:
+    """(reasoning, content, stray markers). Handles `<think>…</think>answer` and, when the chat template
+    opened the think block in the prompt, `…</think>answer`. Markers left over afterwards are stray."""
+    if reasoning is None and THINK_CLOSE in text:
+        before, _, after = text.partition(THINK_CLOSE)
+        reasoning = before.split(THINK_OPEN, 1)[1] if THINK_OPEN in before else before
+        reasoning, text = reasoning.strip(), after.lstrip()
+    stray = sum(part.count(THINK_OPEN) + part.count(THINK_CLOSE) for part in (text, reasoning or ""))
+    return reasoning, text, stray
+
+
+def make_backend(cfg: GenerateConfig, log=print):
+    if cfg.backend == "hf":
+        return HFBackend(cfg, log)
+    if cfg.backend == "openai":
+        return OpenAIBackend(cfg, log)
+    return VLLMBackend(cfg, log)
+
+
+# ---------------------------------------------------------------------------------------------- hf
+
+
+class HFBackend:
+    def __init__(self, cfg: GenerateConfig, log=print) -> None:
+        import torch
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        from flashdraft.models import resolve_model
+
+        self.cfg = cfg
+        path = resolve_model(cfg.model, log=log)
+        self.model_name = cfg.model if cfg.model != EMBEDDED_TARGET else "SmolLM2-135M-Instruct"
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+        dtype = torch.bfloat16 if device == "cuda" else torch.float32
+        self.tokenizer = AutoTokenizer.from_pretrained(path, padding_side="left")
+        if self.tokenizer.pad_token_id is None:
+            self.tokenizer.pad_token = self.tokenizer.eos_token
+        self.model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
+        eos = self.model.generation_config.eos_token_id
+        eos = eos if isinstance(eos, list) else [eos]
+        self.eos_ids = {i for i in [*eos, self.tokenizer.eos_token_id] if i is not None}
+        self.device = device
+
+    def render(self, prompt: Prompt) -> str:
+        return self.tokenizer.apply_chat_template(
+            prompt.messages, add_generation_prompt=True, tokenize=False, enable_thinking=self.cfg.thinking
+        )
+
+    def complete(self, prompts: list[Prompt], seed: int = 0) -> list[Completion]:
+        import torch
+
+        texts = [self.render(p) for p in prompts]
+        batch = self.tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False).to(self.device)
+        sampling = self.cfg.temperature > 0
+        torch.manual_seed(seed)  # a resumed batch samples what the first attempt would have
+        with torch.inference_mode():
+            out = self.model.generate(
+                **batch,
+                max_new_tokens=self.cfg.max_new_tokens,
+                do_sample=sampling,
+                temperature=self.cfg.temperature if sampling else None,
+                top_p=None,
+                top_k=None,
+                pad_token_id=self.tokenizer.pad_token_id,
+                eos_token_id=sorted(self.eos_ids),
+            )
+        prompt_lengths = batch["attention_mask"].sum(dim=1).tolist()
+        generated = out[:, batch["input_ids"].shape[1] :].tolist()
+        return [self._completion(ids, n) for ids, n in zip(generated, prompt_lengths, strict=True)]
+
+    def _completion(self, ids: list[int], prompt_tokens: int) -> Completion:
+        stop = next((i for i, t in enumerate(ids) if t in self.eos_ids), None)
+        # The end-of-turn token is kept in token_ids: the drafter learns to predict it too.
+        kept = ids[: stop + 1] if stop is not None else ids
+        text = self.tokenizer.decode(kept[:-1] if stop is not None else kept, skip_special_tokens=True)
+        reasoning, content, stray = split_reasoning(text)
+        return Completion(
+            content=content,
+            reasoning=reasoning,
+            finish_reason="stop" if stop is not None else "length",
+            prompt_tokens=int(prompt_tokens),
+            completion_tokens=len(kept),
+            token_ids=kept,
+            stray_think_markers=stray,
+        )
+
+
+# ---------------------------------------------------------------------------------------------- openai
+
+
+class OpenAIBackend:
+    """Chat completions against one or more endpoints, round-robin, with bounded concurrency.
+
+    Retries (429, 5xx, timeouts, connection errors; exponential backoff with jitter) are the `openai`
+    client's own; a request that still fails becomes an error record.
+    """
+
+    def __init__(self, cfg: GenerateConfig, log=print) -> None:
+        try:
+            import openai
+        except ImportError:
+            raise RuntimeError("the openai backend needs the openai package: pip install openai") from None
+        if not cfg.base_urls:
+            raise ValueError("the openai backend needs at least one --base-url (e.g. http://host:8000/v1)")
+        self.cfg = cfg
+        self.clients = [
+            openai.AsyncOpenAI(base_url=url, api_key=_api_key(), max_retries=cfg.max_retries, timeout=cfg.timeout_s)
+            for url in cfg.base_urls
+        ]
+        self.model_name = cfg.model if cfg.model != EMBEDDED_TARGET else self._served_model()
+        log(f"generate: openai backend, model {self.model_name!r}, {len(self.clients)} endpoint(s)")
+
+    def _served_model(self) -> str:
+        async def first() -> str:
+            models = await self.clients[0].models.list()
+            return models.data[0].id
+
+        return asyncio.run(first())
+
+    def complete(self, prompts: list[Prompt], seed: int = 0) -> list[Completion]:
+        return asyncio.run(self._complete_all(prompts, seed))
+
+    async def _complete_all(self, prompts: list[Prompt], seed: int) -> list[Completion]:
+        limit = asyncio.Semaphore(self.cfg.concurrency)
+        clients = itertools.cycle(self.clients)
+        tasks = [self._one(next(clients), p, limit, seed) for p in prompts]
+        results = await asyncio.gather(*tasks)
+        for client in self.clients:
+            await client.close()
+        return results
+
+    async def _one(self, client: Any, prompt: Prompt, limit: asyncio.Semaphore, seed: int) -> Completion:
+        import openai
+
+        async with limit:
+            try:
+                response = await client.chat.completions.create(
+                    model=self.model_name,
+                    messages=prompt.messages,
+                    max_tokens=self.cfg.max_new_tokens,
+                    temperature=self.cfg.temperature,
+                    seed=seed,
+                    extra_body={"chat_template_kwargs": {"enable_thinking": self.cfg.thinking}},
+                )
+            except openai.OpenAIError as e:
+                return Completion(finish_reason="error", error=f"{type(e).__name__}: {e}")
+        if not response.choices:
+            return Completion(finish_reason="error", error="the server returned no choices")
+        choice = response.choices[0]
+        extra = choice.message.model_extra or {}
+        server_reasoning = extra.get("reasoning_content") or extra.get("reasoning")
+        reasoning, content, stray = split_reasoning(choice.message.content or "", server_reasoning)
+        usage = response.usage
+        return Completion(
+            content=content,
+            reasoning=reasoning,
+            finish_reason=choice.finish_reason or "stop",
+            prompt_tokens=usage.prompt_tokens if usage else 0,
+            completion_tokens=usage.completion_tokens if usage else 0,
+            stray_think_markers=stray,
+        )
+
+
+def _api_key() -> str:
+    import os
+
+    # vLLM/SGLang accept any key unless started with --api-key; the key is never logged or written.
+    return os.environ.get("OPENAI_API_KEY", "EMPTY")
+
+
+# ---------------------------------------------------------------------------------------------- vllm
+
+
+class VLLMBackend:
+    def __init__(self, cfg: GenerateConfig, log=print) -> None:
+        try:
+            from vllm import LLM
+        except ImportError:
+            raise RuntimeError(
+                "the vllm backend needs vllm (GPU machines): pip install vllm — or use --backend hf / openai"
+            ) from None
+        from flashdraft.models import resolve_model
+
+        self.cfg = cfg
+        self.model_name = cfg.model
+        self.llm = LLM(model=resolve_model(cfg.model, log=log))
+
+    def complete(self, prompts: list[Prompt], seed: int = 0) -> list[Completion]:
+        from vllm import SamplingParams
+
+        params = SamplingParams(max_tokens=self.cfg.max_new_tokens, temperature=self.cfg.temperature, seed=seed)
+        outputs = self.llm.chat(
+            [p.messages for p in prompts],
+            params,
+            use_tqdm=False,
+            chat_template_kwargs={"enable_thinking": self.cfg.thinking},
+        )
+        results = []
+        for out in outputs:
+            gen = out.outputs[0]
+            reasoning, content, stray = split_reasoning(gen.text)
+            results.append(
+                Completion(
+                    content=content,
+                    reasoning=reasoning,
+                    finish_reason=gen.finish_reason or "stop",
+                    prompt_tokens=len(out.prompt_token_ids or []),
+                    completion_tokens=len(gen.token_ids),
+                    token_ids=list(gen.token_ids),
+                    stray_think_markers=stray,
+                )
+            )
+        return results

@@ -1,0 +1,258 @@
+"""generate: regenerate every prompt's response with the target — resumable, shardable, nothing lost.
+
+    flashdraft generate --prompts prompts.jsonl --out work/generate [--backend hf|openai|vllm]
+    flashdraft generate --prompts p.jsonl --out gen-0 --shard-index 0 --num-shards 4 --upload-to s3://b/run/gen-0
+
+Output artifact (kind `completions`):
+    batch-000000.jsonl …    one record per prompt, each file committed atomically as its batch finishes
+    batch-000000.errors.jsonl  requests that failed after retries (only where there were some)
+    errors.jsonl            all of those, merged        rejected.jsonl  input lines that are not prompts
+    manifest.json           written last; stats `records`, `errors`, `rejected`, `truncated`, `completion_tokens`
+
+A rerun skips committed batches, so after a crash at any moment it ends with exactly one record per prompt.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+from flashdraft.artifact import (
+    MANIFEST,
+    FileEntry,
+    Lineage,
+    ManifestError,
+    atomic_write_text,
+    build_manifest,
+    check_done,
+    digest_file,
+    list_data_files,
+    manifest_digest,
+    read_manifest,
+    sha256_file,
+    sha256_json,
+    verify_dir,
+    write_manifest,
+)
+from flashdraft.backends import Completion, make_backend
+from flashdraft.config import GenerateConfig
+from flashdraft.prompts import BUILTIN, Prompt, builtin_prompts, in_shard, load_prompts
+
+CLAIM = ".flashdraft-generate.json"  # in-progress marker: which lineage the partial batches belong to
+
+
+class OutputInUse(Exception):
+    """--out already holds output of a different run; mixing the two would corrupt both."""
+
+
+def batch_name(index: int) -> str:
+    return f"batch-{index:06d}.jsonl"
+
+
+def errors_name(index: int) -> str:
+    return f"batch-{index:06d}.errors.jsonl"
+
+
+def source_digest(source: str) -> str:
+    """What the prompts are, by content: lineage input of the completions artifact."""
+    if source.startswith(BUILTIN):
+        return sha256_json(builtin_prompts(source[len(BUILTIN) :]))
+    path = Path(source)
+    if path.is_dir():
+        if (path / MANIFEST).is_file():
+            return manifest_digest(path)
+        return sha256_json([[rel, sha256_file(path / rel)] for rel in list_data_files(path)])
+    return sha256_file(path)
+
+
+def lineage_for(cfg: GenerateConfig) -> Lineage:
+    return Lineage(inputs=[source_digest(cfg.prompts)], config=sha256_json(cfg.model_dump()))
+
+
+def claim_output(out: Path, lineage: Lineage) -> None:
+    """Mark `out` as this run's, or refuse if it holds another run's batches.
+
+    A finished run of the same lineage that no longer verifies is reopened: the files that fail are
+    removed (and regenerated), the rest kept.
+    """
+    marker = out / CLAIM
+    if (out / MANIFEST).is_file():
+        try:
+            previous = read_manifest(out)
+        except ManifestError:
+            previous = None
+        if previous is None or not previous.lineage.same_work(lineage):
+            raise OutputInUse(f"{out} holds a finished run with different prompts or settings; use another --out")
+        for problem in verify_dir(out):
+            (out / problem.path).unlink(missing_ok=True)
+        (out / MANIFEST).unlink()
+        atomic_write_text(marker, lineage.model_dump_json())
+        return
+    if marker.is_file():
+        if Lineage.model_validate_json(marker.read_text()).same_work(lineage):
+            return
+        raise OutputInUse(f"{out} holds batches of a run with different prompts or settings; use another --out")
+    if list_data_files(out) if out.is_dir() else []:
+        raise OutputInUse(f"{out} already holds files that are not this run's; use another --out")
+    atomic_write_text(marker, lineage.model_dump_json())
+
+
+def to_record(prompt: Prompt, done: Completion, model: str, cfg: GenerateConfig) -> dict[str, Any]:
+    record = {
+        "id": prompt.id,
+        "messages": prompt.messages,
+        "reasoning": done.reasoning,
+        "content": done.content,
+        "finish_reason": done.finish_reason,
+        "prompt_tokens": done.prompt_tokens,
+        "completion_tokens": done.completion_tokens,
+        "token_ids": done.token_ids,
+        "stray_think_markers": done.stray_think_markers,
+        "model": model,
+        "sampling": {"temperature": cfg.temperature, "max_new_tokens": cfg.max_new_tokens, "thinking": cfg.thinking},
+    }
+    if prompt.category:
+        record["category"] = prompt.category
+    return record
+
+
+def jsonl(rows: list[dict[str, Any]]) -> str:
+    return "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows)
+
+
+def run(
+    cfg: GenerateConfig,
+    out: Path,
+    *,
+    upload_to: str | None = None,
+    console: Console | None = None,
+    log: Callable[[str], None] = print,
+) -> dict[str, Any]:
+    """Generate into `out`; returns the manifest's stats. Skips entirely when `out` is done and verifies."""
+    out = Path(out)
+    lineage = lineage_for(cfg)
+    decision = check_done(out, lineage)
+    log(decision.line("generate", out))
+    if decision.done:
+        return json.loads((out / MANIFEST).read_text())["stats"]
+    claim_output(out, lineage)
+
+    prompt_set = load_prompts(cfg.prompts)
+    mine = [p for p in prompt_set.prompts if in_shard(p.id, cfg.shard_index, cfg.num_shards)]
+    batches = [mine[i : i + cfg.batch_size] for i in range(0, len(mine), cfg.batch_size)]
+    pending = [k for k in range(len(batches)) if not (out / batch_name(k)).is_file()]
+    log(
+        f"generate: {len(mine)} prompts (shard {cfg.shard_index}/{cfg.num_shards}), {len(batches)} batches, "
+        f"{len(batches) - len(pending)} already committed; {len(prompt_set.rejected)} rejected lines, "
+        f"{prompt_set.duplicates} duplicates dropped"
+    )
+    store = _open_upload_store(upload_to)
+
+    if pending:
+        backend = make_backend(cfg, log)
+        with _progress(console, sum(len(batches[k]) for k in pending)) as advance:
+            for k in pending:
+                completions = backend.complete(batches[k], seed=cfg.seed + k)
+                ok = [(p, c) for p, c in zip(batches[k], completions, strict=True) if c.error is None]
+                failed = [{"id": p.id, "messages": p.messages, "reason": c.error}
+                          for p, c in zip(batches[k], completions, strict=True) if c.error is not None]  # fmt: skip
+                if failed:  # written first: the batch file's presence means the whole batch is accounted for
+                    atomic_write_text(out / errors_name(k), jsonl(failed))
+                atomic_write_text(out / batch_name(k), jsonl([to_record(p, c, backend.model_name, cfg) for p, c in ok]))
+                if store is not None:
+                    _upload_now(store, out, [batch_name(k)] + ([errors_name(k)] if failed else []))
+                advance(len(batches[k]), sum(c.completion_tokens for _, c in ok))
+
+    stats = _finalize(out, len(batches), prompt_set, lineage, cfg)
+    log(
+        f"generate: done, verified — {out}: {stats['records']} records, {stats['errors']} errors, "
+        f"{stats['rejected']} rejected, {stats['truncated']} truncated, {stats['completion_tokens']:,} tokens"
+    )
+    if store is not None:
+        from flashdraft.sync import push
+
+        log(push(out, store, log=log).line())
+    return stats
+
+
+def _finalize(out: Path, num_batches: int, prompt_set, lineage: Lineage, cfg: GenerateConfig) -> dict[str, Any]:
+    """Merge errors, write rejected lines, count from the committed files themselves, commit the manifest."""
+    errors: list[str] = []
+    stats = {"records": 0, "truncated": 0, "completion_tokens": 0, "prompt_tokens": 0, "stray_think_markers": 0}
+    for k in range(num_batches):
+        for line in (out / batch_name(k)).read_text().splitlines():
+            record = json.loads(line)
+            stats["records"] += 1
+            stats["truncated"] += record["finish_reason"] == "length"
+            stats["completion_tokens"] += record["completion_tokens"]
+            stats["prompt_tokens"] += record["prompt_tokens"]
+            stats["stray_think_markers"] += record["stray_think_markers"] > 0
+        if (out / errors_name(k)).is_file():
+            errors.extend((out / errors_name(k)).read_text().splitlines(keepends=True))
+    atomic_write_text(out / "errors.jsonl", "".join(errors))
+    atomic_write_text(out / "rejected.jsonl", jsonl([r.to_json() for r in prompt_set.rejected]))
+    stats |= {
+        "errors": len(errors),
+        "rejected": len(prompt_set.rejected),
+        "duplicates": prompt_set.duplicates,
+        "batches": num_batches,
+        "shard": [cfg.shard_index, cfg.num_shards],
+    }
+    write_manifest(out, build_manifest(out, kind="completions", stats=stats, lineage=lineage))
+    (out / CLAIM).unlink(missing_ok=True)
+    return stats
+
+
+def _open_upload_store(url: str | None):
+    if url is None:
+        return None
+    from flashdraft.store import open_store
+
+    return open_store(url)
+
+
+def _upload_now(store, out: Path, names: list[str]) -> None:
+    """Push freshly committed batch files as they land; the final push skips them and verifies all."""
+    for name in names:
+        digest = digest_file(out / name)
+        entry = FileEntry(path=name, size=(out / name).stat().st_size, sha256=digest.sha256, crc64nvme=digest.crc64nvme)
+        store.upload(out / name, entry, lambda n: None)
+
+
+class _progress:
+    """Completions done / total, completion tokens per second, ETA (on a terminal)."""
+
+    def __init__(self, console: Console | None, total: int) -> None:
+        self.console, self.total, self.tokens = console, total, 0
+        self.bar: Progress | None = None
+
+    def __enter__(self) -> Callable[[int, int], None]:
+        if self.console is not None:
+            self.bar = Progress(
+                TextColumn("generate"),
+                BarColumn(),
+                MofNCompleteColumn(),
+                TextColumn("{task.fields[tps]} tok/s"),
+                TimeRemainingColumn(),
+                console=self.console,
+                disable=not self.console.is_terminal,
+            )
+            self.bar.__enter__()
+            self.task = self.bar.add_task("generate", total=self.total, tps="–")
+        return self.advance
+
+    def advance(self, completions: int, tokens: int) -> None:
+        self.tokens += tokens
+        if self.bar is not None:
+            self.bar.advance(self.task, completions)
+            elapsed = self.bar.tasks[0].elapsed or 1e-9
+            self.bar.update(self.task, tps=f"{self.tokens / elapsed:,.0f}")
+
+    def __exit__(self, *exc: object) -> None:
+        if self.bar is not None:
+            self.bar.__exit__(*exc)

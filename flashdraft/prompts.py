@@ -1,0 +1,255 @@
+"""Prompt sets: read JSONL / Parquet / `save_to_disk` directories into normalized chat prompts.
+
+    from flashdraft.prompts import load_prompts
+    prompts, rejected, duplicates = load_prompts("data/prompts.jsonl")
+
+Accepted record forms: OpenAI `messages` ([{role, content}]), ShareGPT `conversations` ([{from, value}]), or a
+bare `prompt` string. A conversation that ends in an assistant turn regenerates that turn from the history
+before it. Each prompt's id is a hash of its normalized messages; duplicates are dropped and counted. Bad
+records are returned with their line number and the reason, never silently skipped.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import random
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+ROLES = {"system", "user", "assistant", "tool"}
+SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
+                  "system": "system", "tool": "tool", "function": "tool"}  # fmt: skip
+BUILTIN = "builtin:"
+
+
+@dataclass(frozen=True)
+class Prompt:
+    id: str
+    messages: list[dict[str, str]]
+    category: str | None = None
+
+
+@dataclass(frozen=True)
+class Rejected:
+    line: int  # 1-based line (JSONL) or row number (Parquet / datasets)
+    reason: str
+    raw: str = ""
+
+    def to_json(self) -> dict[str, Any]:
+        return {"line": self.line, "reason": self.reason, "raw": self.raw[:500]}
+
+
+@dataclass
+class PromptSet:
+    prompts: list[Prompt] = field(default_factory=list)
+    rejected: list[Rejected] = field(default_factory=list)
+    duplicates: int = 0
+
+
+class BadRecord(ValueError):
+    """A record that cannot become a prompt; the message is the reason written to rejected.jsonl."""
+
+
+def prompt_id(messages: list[dict[str, str]]) -> str:
+    canonical = json.dumps(messages, sort_keys=True, ensure_ascii=False, separators=(",", ":"))
+    return hashlib.sha256(canonical.encode("utf-8")).hexdigest()[:16]
+
+
+def normalize(record: Any) -> Prompt:
+    """One input record → a Prompt, or BadRecord saying why not."""
+    if not isinstance(record, dict):
+        raise BadRecord(f"record is a {type(record).__name__}, not an object")
+    if "messages" in record:
+        turns = record["messages"]
+        role_key, content_key, role_map = "role", "content", None
+    elif "conversations" in record:
+        turns = record["conversations"]
+        role_key, content_key, role_map = "from", "value", SHAREGPT_ROLES
+    elif "prompt" in record:
+        if not isinstance(record["prompt"], str) or not record["prompt"].strip():
+            raise BadRecord("`prompt` must be a non-empty string")
+        turns = [{"role": "user", "content": record["prompt"]}]
+        role_key, content_key, role_map = "role", "content", None
+    else:
+        raise BadRecord("no `messages`, `conversations` or `prompt` field")
+    if not isinstance(turns, list) or not turns:
+        raise BadRecord("messages are missing or empty")
+
+    messages = []
+    for i, turn in enumerate(turns):
+        if not isinstance(turn, dict):
+            raise BadRecord(f"turn {i} is not an object")
+        role = turn.get(role_key)
+        role = role_map.get(role, role) if role_map and isinstance(role, str) else role
+        if role not in ROLES:
+            raise BadRecord(f"turn {i}: unknown role {turn.get(role_key)!r}")
+        content = turn.get(content_key)
+        if not isinstance(content, str):
+            raise BadRecord(f"turn {i}: content is {type(content).__name__}, not a string")
+        messages.append({"role": role, "content": content})
+
+    if messages[-1]["role"] == "assistant":
+        messages = messages[:-1]  # regenerate the final assistant turn from the history before it
+    if not messages or messages[-1]["role"] not in ("user", "tool"):
+        raise BadRecord("nothing to answer: the conversation must end with a user (or tool) turn")
+    if not any(m["content"].strip() for m in messages if m["role"] == "user"):
+        raise BadRecord("every user turn is empty")
+    category = record.get("category")
+    return Prompt(prompt_id(messages), messages, category if isinstance(category, str) else None)
+
+
+def _jsonl_records(path: Path) -> Iterator[tuple[int, Any, str]]:
+    """(line number, parsed record or BadRecord, raw text) for every non-blank line."""
+    with open(path, "rb") as f:
+        for number, raw in enumerate(f, start=1):
+            try:
+                text = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                yield number, BadRecord(f"not UTF-8 (byte {e.start})"), raw[:200].decode("utf-8", "replace")
+                continue
+            if not text.strip():
+                continue
+            try:
+                yield number, json.loads(text), text
+            except json.JSONDecodeError as e:
+                yield number, BadRecord(f"malformed JSON: {e.msg} at column {e.colno}"), text
+
+
+def _table_records(path: Path) -> Iterator[tuple[int, Any, str]]:
+    if path.is_dir():
+        from datasets import load_from_disk
+
+        rows = load_from_disk(str(path))
+    else:
+        import pyarrow.parquet as pq
+
+        rows = pq.read_table(path).to_pylist()
+    for number, row in enumerate(rows, start=1):
+        yield number, row, ""
+
+
+def read_records(source: str) -> Iterator[tuple[int, Any, str]]:
+    if source.startswith(BUILTIN):
+        for number, record in enumerate(builtin_prompts(source[len(BUILTIN) :]), start=1):
+            yield number, record, ""
+        return
+    path = Path(source)
+    if not path.exists():
+        raise FileNotFoundError(f"prompts not found: {source}")
+    if path.is_dir() or path.suffix == ".parquet":
+        yield from _table_records(path)
+    else:
+        yield from _jsonl_records(path)
+
+
+def load_prompts(source: str) -> PromptSet:
+    out = PromptSet()
+    seen: set[str] = set()
+    for number, record, raw in read_records(source):
+        try:
+            if isinstance(record, BadRecord):
+                raise record
+            prompt = normalize(record)
+        except BadRecord as e:
+            out.rejected.append(Rejected(number, str(e), raw.rstrip("\n")))
+            continue
+        if prompt.id in seen:
+            out.duplicates += 1
+            continue
+        seen.add(prompt.id)
+        out.prompts.append(prompt)
+    return out
+
+
+def in_shard(prompt_id_hex: str, shard_index: int, num_shards: int) -> bool:
+    """Deterministic split by id (not by position), so reordering the input keeps every prompt's shard."""
+    return int(prompt_id_hex, 16) % num_shards == shard_index
+
+
+# ---------------------------------------------------------------------------------------------- built-in set
+
+
+def builtin_prompts(name: str) -> list[dict[str, str]]:
+    """The demo prompt sets, generated from templates with a fixed seed: `demo` (≥ 400 distinct prompts) and
+    `demo-heldout` (60), which never share a prompt: they draw from disjoint numbers and subjects.
+    """
+    if name not in ("demo", "demo-heldout"):
+        raise FileNotFoundError(f"unknown built-in prompt set {name!r}: use builtin:demo or builtin:demo-heldout")
+    heldout = name == "demo-heldout"
+    rng = random.Random(1234 if heldout else 42)
+
+    def pick(rows: list[str], category: str, count: int | None = None) -> list[dict[str, str]]:
+        chosen = rng.sample(rows, count) if count is not None and count < len(rows) else rows
+        return [{"prompt": text, "category": category} for text in chosen]
+
+    names = ["Ana", "Ben", "Chen", "Dara", "Eli", "Fatima", "Goro", "Hana", "Ivan", "Jia", "Kofi", "Lena"]
+    items = ["apples", "pencils", "stickers", "books", "marbles", "cookies", "coins", "cards", "shells", "stamps"]
+    math = []
+    for _ in range(15 if heldout else 200):
+        who, what = rng.choice(names), rng.choice(items)
+        a, b, c = rng.randint(3, 90) + (100 if heldout else 0), rng.randint(2, 40), rng.randint(2, 9)
+        math.append(rng.choice([
+            f"{who} has {a} {what} and buys {b} more. How many {what} does {who} have now? Explain step by step.",
+            f"{who} has {a} {what} and gives {b} away. How many are left? Show your work.",
+            f"A box holds {c} {what}. How many {what} are in {a} boxes? Answer with a short explanation.",
+            f"{who} shares {a * c} {what} equally among {c} friends. How many does each friend get?",
+            f"What is {a} + {b} * {c}? Explain the order of operations.",
+        ]))  # fmt: skip
+
+    tasks = ["reverses a string", "checks whether a number is prime", "counts the vowels in a string",
+             "returns the largest element of a list", "computes the factorial of n", "removes duplicates from a list",
+             "merges two sorted lists", "checks whether a word is a palindrome", "sums the digits of an integer",
+             "converts Celsius to Fahrenheit", "finds the second smallest number in a list",
+             "counts words in a sentence", "flattens a nested list", "computes the n-th Fibonacci number",
+             "returns the common elements of two lists", "capitalizes every word in a sentence"]  # fmt: skip
+    code = [
+        template.format(task=task, lang=lang)
+        for task in (tasks[8:] if heldout else tasks[:8])
+        for lang in ("Python", "JavaScript", "Rust", "Go")
+        for template in ("Write a {lang} function that {task}.",
+                         "Write a short {lang} function that {task}, with a docstring and one example.",
+                         "How would you write a function that {task} in {lang}? Keep it brief.")
+    ]  # fmt: skip
+
+    topics = ["photosynthesis", "how a rainbow forms", "why the sky is blue", "how vaccines work",
+              "what a black hole is", "how a bicycle stays upright", "what inflation is",
+              "how the heart pumps blood", "what DNA does",
+              "why we have seasons", "how a compass works", "what gravity is", "how bees make honey",
+              "what an atom is", "how tides work", "how a refrigerator works", "why leaves change color",
+              "what electricity is", "how airplanes fly", "what a volcano is"]  # fmt: skip
+    explain = [
+        template.format(topic=topic)
+        for topic in (topics[12:] if heldout else topics[:12])
+        for template in ("Explain {topic} in simple terms.", "Explain {topic} to a ten-year-old.",
+                         "In two or three sentences, describe {topic}.", "Give a short, clear explanation of {topic}.",
+                         "What should a beginner know about {topic}?")
+    ]  # fmt: skip
+
+    forms = ["a short poem", "a haiku", "a two-sentence story", "a friendly email", "a product description",
+             "a short thank-you note"]  # fmt: skip
+    themes = [
+        "the ocean",
+        "a rainy morning",
+        "a lost cat",
+        "autumn leaves",
+        "a new bicycle",
+        "a birthday party",
+        "the moon",
+        "a busy market",
+        "a quiet library",
+        "a mountain hike",
+        "a snowy day",
+        "a garden",
+    ]
+    writing = [f"Write {form} about {theme}." for form in forms for theme in (themes[8:] if heldout else themes[:8])]
+
+    count = 15 if heldout else None
+    return (
+        pick(math, "math")
+        + pick(code, "code", count)
+        + pick(explain, "explain", count)
+        + pick(writing, "writing", count)
+    )
