@@ -11,6 +11,7 @@ errors.jsonl. Reasoning is split from the answer here, so every backend stores t
 from __future__ import annotations
 
 import asyncio
+import importlib.util
 import itertools
 from dataclasses import dataclass
 from typing import Any
@@ -131,38 +132,45 @@ class OpenAIBackend:
     """
 
     def __init__(self, cfg: GenerateConfig, log=print) -> None:
-        try:
-            import openai
-        except ImportError:
-            raise RuntimeError("the openai backend needs the openai package: pip install openai") from None
+        if importlib.util.find_spec("openai") is None:
+            raise RuntimeError("the openai backend needs the openai package: pip install openai")
         if not cfg.base_urls:
             raise ValueError("the openai backend needs at least one --base-url (e.g. http://host:8000/v1)")
         self.cfg = cfg
-        self.clients = [
-            openai.AsyncOpenAI(base_url=url, api_key=_api_key(), max_retries=cfg.max_retries, timeout=cfg.timeout_s)
-            for url in cfg.base_urls
+        self.model_name = cfg.model if cfg.model != EMBEDDED_TARGET else asyncio.run(self._served_model())
+        log(f"generate: openai backend, model {self.model_name!r}, {len(cfg.base_urls)} endpoint(s)")
+
+    def _clients(self) -> list[Any]:
+        """Fresh clients per event loop (an async client is bound to the loop that first used it)."""
+        import openai
+
+        return [
+            openai.AsyncOpenAI(
+                base_url=url, api_key=_api_key(), max_retries=self.cfg.max_retries, timeout=self.cfg.timeout_s
+            )
+            for url in self.cfg.base_urls
         ]
-        self.model_name = cfg.model if cfg.model != EMBEDDED_TARGET else self._served_model()
-        log(f"generate: openai backend, model {self.model_name!r}, {len(self.clients)} endpoint(s)")
 
-    def _served_model(self) -> str:
-        async def first() -> str:
-            models = await self.clients[0].models.list()
-            return models.data[0].id
-
-        return asyncio.run(first())
+    async def _served_model(self) -> str:
+        """With no --model, ask the first endpoint what it serves."""
+        client = self._clients()[0]
+        try:
+            return (await client.models.list()).data[0].id
+        finally:
+            await client.close()
 
     def complete(self, prompts: list[Prompt], seed: int = 0) -> list[Completion]:
         return asyncio.run(self._complete_all(prompts, seed))
 
     async def _complete_all(self, prompts: list[Prompt], seed: int) -> list[Completion]:
         limit = asyncio.Semaphore(self.cfg.concurrency)
-        clients = itertools.cycle(self.clients)
-        tasks = [self._one(next(clients), p, limit, seed) for p in prompts]
-        results = await asyncio.gather(*tasks)
-        for client in self.clients:
-            await client.close()
-        return results
+        clients = self._clients()
+        endpoints = itertools.cycle(clients)
+        try:
+            return await asyncio.gather(*[self._one(next(endpoints), p, limit, seed) for p in prompts])
+        finally:
+            for client in clients:
+                await client.close()
 
     async def _one(self, client: Any, prompt: Prompt, limit: asyncio.Semaphore, seed: int) -> Completion:
         import openai

@@ -40,3 +40,41 @@ def s3env(seaweed, monkeypatch, tmp_path):
     monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "no-aws-credentials"))
     monkeypatch.setenv("FLASHDRAFT_S3_ATTEMPTS", "3")
     return seaweed
+
+
+# ------------------------------------------------------------------------------------------- models
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir() -> str:
+    """The embedded target as an HF directory (converted once into the flashdraft cache, then verified)."""
+    from flashdraft.models import resolve_model
+
+    return resolve_model("embedded", log=lambda s: None)
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory, smollm2_dir) -> str:
+    """A random-weight Llama of SmolLM2's vocabulary and chat template: real code paths, milliseconds a step."""
+    import torch
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    tokenizer = AutoTokenizer.from_pretrained(smollm2_dir)
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=2048,
+        tie_word_embeddings=True,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    path = tmp_path_factory.mktemp("tiny-llama")
+    LlamaForCausalLM(config).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return str(path)

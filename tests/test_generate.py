@@ -1,0 +1,252 @@
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from flashdraft.artifact import MANIFEST, verify_dir
+from flashdraft.backends import HFBackend, split_reasoning
+from flashdraft.config import GenerateConfig
+from flashdraft.prompts import Prompt, load_prompts
+
+
+def prompts_file(path: Path, n: int) -> str:
+    path.write_text(
+        "".join(json.dumps({"prompt": f"Question number {i}: what is {i} + {i}?"}) + "\n" for i in range(n))
+    )
+    return str(path)
+
+
+def records(out: Path) -> list[dict]:
+    return [json.loads(line) for f in sorted(out.glob("batch-*[0-9].jsonl")) for line in f.read_text().splitlines()]
+
+
+def last_json(proc) -> dict:
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def test_hf_backend_writes_one_record_per_prompt_then_skips(cli, tmp_path, tiny_model_dir):
+    src = prompts_file(tmp_path / "p.jsonl", 12)
+    out = tmp_path / "gen"
+    args = ["generate", "--prompts", src, "--out", str(out), "--model", tiny_model_dir, "--batch-size", "5",
+            "--max-new-tokens", "8", "--json"]  # fmt: skip
+    stats = last_json(cli(*args, check=True))
+    assert stats["records"] == 12 and stats["errors"] == 0 and stats["rejected"] == 0 and stats["batches"] == 3
+    assert verify_dir(out) == []
+    rows = records(out)
+    assert sorted(r["id"] for r in rows) == sorted(p.id for p in load_prompts(src).prompts)
+    for r in rows:
+        assert r["completion_tokens"] == len(r["token_ids"]) <= 8
+        assert r["finish_reason"] in ("stop", "length") and r["prompt_tokens"] > 10
+        assert r["sampling"] == {"temperature": 0.0, "max_new_tokens": 8, "thinking": False}
+    assert stats["truncated"] == sum(r["finish_reason"] == "length" for r in rows)
+    assert stats["completion_tokens"] == sum(r["completion_tokens"] for r in rows)
+    manifest = json.loads((out / MANIFEST).read_text())
+    assert manifest["kind"] == "completions"
+
+    again = cli(*args, check=True)
+    assert "already done, verified" in again.stdout
+
+    changed = cli(*args[:-1], "--max-new-tokens", "9")  # same --out, different settings: refused, not mixed
+    assert changed.returncode == 1 and "different prompts or settings" in changed.stderr
+
+
+def test_greedy_hf_matches_a_bare_generate_loop(tmp_path, tiny_model_dir):
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    cfg = GenerateConfig(model=tiny_model_dir, max_new_tokens=6)
+    backend = HFBackend(cfg, log=lambda s: None)
+    prompts = [
+        Prompt("a", [{"role": "user", "content": "Hi"}]),
+        Prompt("b", [{"role": "user", "content": "A longer one"}]),
+    ]
+    done = backend.complete(prompts)
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    for prompt, completion in zip(prompts, done, strict=True):  # one at a time: no padding involved
+        ids = tok.apply_chat_template(
+            prompt.messages, add_generation_prompt=True, return_tensors="pt", return_dict=True
+        )
+        with torch.inference_mode():
+            ref = model.generate(**ids, max_new_tokens=6, do_sample=False)[0, ids["input_ids"].shape[1] :].tolist()
+        assert completion.token_ids == ref[: len(completion.token_ids)]
+
+
+KILL_ME = """
+import sys
+from flashdraft.cli import app
+app(sys.argv[1:], prog_name="flashdraft")
+"""
+
+
+def test_sigkill_then_rerun_ends_with_exactly_one_record_per_prompt(cli, tmp_path, tiny_model_dir):
+    src = prompts_file(tmp_path / "p.jsonl", 24)
+    out = tmp_path / "gen"
+    args = ["generate", "--prompts", src, "--out", str(out), "--model", tiny_model_dir, "--batch-size", "1",
+            "--max-new-tokens", "120"]  # fmt: skip
+    proc = subprocess.Popen(
+        [sys.executable, "-c", KILL_ME, *args], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
+    deadline = time.time() + 120
+    while len(list(out.glob("batch-*.jsonl"))) < 3 and time.time() < deadline:
+        time.sleep(0.02)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    committed = {f.name: f.stat().st_mtime_ns for f in out.glob("batch-*.jsonl")}
+    assert 3 <= len(committed) < 24 and not (out / MANIFEST).exists()
+
+    cli(*args, check=True)
+    rows = records(out)
+    assert len(rows) == 24 and len({r["id"] for r in rows}) == 24
+    for name, mtime in committed.items():  # finished batches were not generated again
+        assert (out / name).stat().st_mtime_ns == mtime
+    assert verify_dir(out) == []
+
+
+def test_failed_requests_go_to_errors_jsonl(cli, tmp_path):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    config = tmp_path / "c.yaml"
+    config.write_text("generate:\n  max_retries: 1\n  timeout_s: 5\n")
+    src = prompts_file(tmp_path / "p.jsonl", 3)
+    out = tmp_path / "gen"
+    proc = cli("generate", "--config", str(config), "--prompts", src, "--out", str(out), "--backend", "openai",
+               "--model", "m", "--base-url", f"http://127.0.0.1:{port}/v1", "--json", check=True)  # fmt: skip
+    stats = last_json(proc)
+    assert stats["records"] == 0 and stats["errors"] == 3
+    errors = [json.loads(line) for line in (out / "errors.jsonl").read_text().splitlines()]
+    assert len(errors) == 3 and all("Connection" in e["reason"] for e in errors)
+    assert verify_dir(out) == []
+
+
+def test_shards_split_the_work_without_overlap(cli, tmp_path, tiny_model_dir):
+    src = prompts_file(tmp_path / "p.jsonl", 10)
+    ids = []
+    for shard in range(2):
+        out = tmp_path / f"gen-{shard}"
+        cli("generate", "--prompts", src, "--out", str(out), "--model", tiny_model_dir, "--max-new-tokens", "2",
+            "--shard-index", str(shard), "--num-shards", "2", check=True)  # fmt: skip
+        ids.append({r["id"] for r in records(out)})
+    assert not ids[0] & ids[1]
+    assert ids[0] | ids[1] == {p.id for p in load_prompts(src).prompts}
+
+
+def test_upload_to_pushes_batches_and_verifies(cli, tmp_path, tiny_model_dir):
+    src = prompts_file(tmp_path / "p.jsonl", 4)
+    store = tmp_path / "store"
+    cli("generate", "--prompts", src, "--out", str(tmp_path / "gen"), "--model", tiny_model_dir, "--batch-size",
+        "2", "--max-new-tokens", "2", "--upload-to", str(store), check=True)  # fmt: skip
+    assert verify_dir(store) == []
+    assert (store / MANIFEST).read_bytes() == (tmp_path / "gen" / MANIFEST).read_bytes()
+
+
+def test_corrupted_batch_is_regenerated_on_rerun(cli, tmp_path, tiny_model_dir):
+    src = prompts_file(tmp_path / "p.jsonl", 4)
+    out = tmp_path / "gen"
+    args = ["generate", "--prompts", src, "--out", str(out), "--model", tiny_model_dir, "--batch-size", "2",
+            "--max-new-tokens", "3"]  # fmt: skip
+    cli(*args, check=True)
+    good = (out / "batch-000001.jsonl").read_text()
+    (out / "batch-000001.jsonl").write_text(good[:-10])
+    rerun = cli(*args, check=True)
+    assert "does not verify" in rerun.stdout
+    assert (out / "batch-000001.jsonl").read_text() == good and verify_dir(out) == []
+
+
+QWEN3_STYLE_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n"
+    "{% if enable_thinking is defined and enable_thinking is false %}<think>\n\n</think>\n\n{% endif %}{% endif %}"
+)
+
+
+def test_thinking_flag_reaches_the_chat_template(tmp_path, tiny_model_dir):
+    import shutil
+
+    from transformers import AutoTokenizer
+
+    model_dir = tmp_path / "qwen-ish"
+    shutil.copytree(tiny_model_dir, model_dir)
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    tok.chat_template = QWEN3_STYLE_TEMPLATE
+    tok.save_pretrained(model_dir)
+    prompt = Prompt("x", [{"role": "user", "content": "Hi"}])
+    off = HFBackend(GenerateConfig(model=str(model_dir), thinking=False), log=lambda s: None).render(prompt)
+    on = HFBackend(GenerateConfig(model=str(model_dir), thinking=True), log=lambda s: None).render(prompt)
+    assert off.endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
+    assert on.endswith("<|im_start|>assistant\n")
+
+
+def test_reasoning_is_kept_apart_and_stray_markers_counted():
+    assert split_reasoning("<think>\nstep 1\n</think>\n\nThe answer is 4.") == ("step 1", "The answer is 4.", 0)
+    assert split_reasoning("step 1</think>Answer") == ("step 1", "Answer", 0)  # template opened the block
+    assert split_reasoning("plain answer") == (None, "plain answer", 0)
+    assert split_reasoning("Answer <think> oops") == (None, "Answer <think> oops", 1)
+    assert split_reasoning("Answer", reasoning="server-side") == ("server-side", "Answer", 0)
+    assert split_reasoning("<think>a</think>b</think>c")[2] == 1
+
+
+# ------------------------------------------------------------------------------------------- slow: real servers
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.slow
+def test_openai_backend_against_transformers_serve(cli, tmp_path, tiny_model_dir):
+    import urllib.request
+
+    port = _free_port()
+    serve = Path(sys.executable).parent / "transformers"
+    log = open(tmp_path / "serve.log", "w")
+    server = subprocess.Popen(
+        [str(serve), "serve", tiny_model_dir, "--host", "127.0.0.1", "--port", str(port)],
+        stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+    )  # fmt: skip
+    try:
+        deadline = time.time() + 120
+        while True:
+            try:
+                urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2)
+                break
+            except OSError:
+                if server.poll() is not None or time.time() > deadline:
+                    pytest.fail(f"transformers serve did not start: {(tmp_path / 'serve.log').read_text()[-2000:]}")
+                time.sleep(0.5)
+        src = prompts_file(tmp_path / "p.jsonl", 6)
+        out = tmp_path / "gen"
+        proc = cli("generate", "--prompts", src, "--out", str(out), "--backend", "openai", "--base-url",
+                   f"http://127.0.0.1:{port}/v1", "--max-new-tokens", "8", "--batch-size", "3", "--json",
+                   check=True)  # fmt: skip
+        stats = last_json(proc)
+        assert stats["records"] == 6 and stats["errors"] == 0
+        rows = records(out)
+        assert all(0 < r["completion_tokens"] <= 8 and r["prompt_tokens"] > 0 for r in rows)
+        assert all(r["model"] for r in rows)
+    finally:
+        os.killpg(server.pid, signal.SIGTERM)
+        server.wait(30)
+        log.close()
+
+
+@pytest.mark.slow
+def test_hf_backend_on_smollm2(cli, tmp_path, smollm2_dir):
+    src = tmp_path / "p.jsonl"
+    src.write_text('{"prompt": "What is 2 + 2?"}\n{"prompt": "Name a primary color."}\n')
+    out = tmp_path / "gen"
+    stats = last_json(cli("generate", "--prompts", str(src), "--out", str(out), "--max-new-tokens", "24", "--json",
+                          check=True))  # fmt: skip
+    assert stats["records"] == 2
+    rows = {r["messages"][0]["content"]: r for r in records(out)}
+    assert "4" in rows["What is 2 + 2?"]["content"]
+    assert rows["What is 2 + 2?"]["finish_reason"] == "stop" and rows["What is 2 + 2?"]["token_ids"][-1] == 2

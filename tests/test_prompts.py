@@ -1,0 +1,106 @@
+import json
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from flashdraft.prompts import in_shard, load_prompts, normalize, prompt_id
+
+
+def write_jsonl(path, lines):
+    path.write_bytes(b"".join((line if isinstance(line, bytes) else line.encode()) + b"\n" for line in lines))
+    return str(path)
+
+
+def test_record_forms_normalize_to_messages():
+    openai_form = normalize(
+        {"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]}
+    )
+    sharegpt = normalize(
+        {"conversations": [{"from": "system", "value": "Be brief."}, {"from": "human", "value": "Hi"}]}
+    )
+    assert openai_form.messages == sharegpt.messages and openai_form.id == sharegpt.id
+    bare = normalize({"prompt": "Hi", "category": "chat"})
+    assert bare.messages == [{"role": "user", "content": "Hi"}] and bare.category == "chat"
+
+
+def test_final_assistant_turn_is_regenerated_from_history():
+    p = normalize({"messages": [{"role": "user", "content": "Q"}, {"role": "assistant", "content": "old A"}]})
+    assert p.messages == [{"role": "user", "content": "Q"}]
+    multi = normalize({"conversations": [{"from": "human", "value": "1"}, {"from": "gpt", "value": "2"},
+                                         {"from": "human", "value": "3"}, {"from": "gpt", "value": "4"}]})  # fmt: skip
+    assert [m["content"] for m in multi.messages] == ["1", "2", "3"]
+
+
+def test_every_bad_input_kind_is_rejected_with_line_and_reason(tmp_path):
+    src = write_jsonl(tmp_path / "p.jsonl", [
+        '{"prompt": "good one"}',
+        '{"messages": [{"role": "user", "content": "broken"}',       # 2 malformed JSON
+        '{"messages": []}',                                           # 3 empty messages
+        '{"other": 1}',                                               # 4 missing messages
+        '{"messages": [{"role": "wizard", "content": "x"}]}',       # 5 unknown role
+        '{"messages": [{"role": "user", "content": ["a", "b"]}]}',  # 6 non-string content
+        b'{"prompt": "caf\xe9"}',                                     # 7 not UTF-8
+        '',
+        '{"messages": [{"role": "assistant", "content": "only me"}]}',  # 9 nothing to answer
+        '[1, 2]',                                                     # 10 not an object
+        '{"prompt": "good one"}',                                     # 11 duplicate
+    ])  # fmt: skip
+    loaded = load_prompts(src)
+    assert [p.messages[0]["content"] for p in loaded.prompts] == ["good one"]
+    assert loaded.duplicates == 1
+    reasons = {r.line: r.reason for r in loaded.rejected}
+    assert sorted(reasons) == [2, 3, 4, 5, 6, 7, 9, 10]
+    assert reasons[2].startswith("malformed JSON")
+    assert reasons[3] == "messages are missing or empty"
+    assert "no `messages`" in reasons[4]
+    assert "unknown role 'wizard'" in reasons[5]
+    assert "not a string" in reasons[6]
+    assert reasons[7].startswith("not UTF-8")
+    assert "nothing to answer" in reasons[9]
+    assert "not an object" in reasons[10]
+    assert json.loads(json.dumps(loaded.rejected[0].to_json()))["raw"].startswith('{"messages"')
+
+
+def test_parquet_and_save_to_disk_sources(tmp_path):
+    rows = [{"prompt": f"q{i}"} for i in range(5)]
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "p.parquet")
+    assert len(load_prompts(str(tmp_path / "p.parquet")).prompts) == 5
+
+    from datasets import Dataset
+
+    Dataset.from_list([{"messages": [{"role": "user", "content": f"m{i}"}]} for i in range(4)]).save_to_disk(
+        str(tmp_path / "ds")
+    )
+    assert [p.messages[0]["content"] for p in load_prompts(str(tmp_path / "ds")).prompts] == ["m0", "m1", "m2", "m3"]
+
+
+def test_missing_source_is_a_clear_error(tmp_path):
+    with pytest.raises(FileNotFoundError, match="prompts not found"):
+        load_prompts(str(tmp_path / "nope.jsonl"))
+    with pytest.raises(FileNotFoundError, match="unknown built-in"):
+        load_prompts("builtin:nope")
+
+
+def test_builtin_demo_sets_are_large_varied_and_disjoint():
+    demo, heldout = load_prompts("builtin:demo"), load_prompts("builtin:demo-heldout")
+    assert len(demo.prompts) >= 400 and demo.duplicates == 0 and not demo.rejected
+    assert {p.category for p in demo.prompts} == {"math", "code", "explain", "writing"}
+    assert len(heldout.prompts) == 60
+    assert not {p.id for p in demo.prompts} & {p.id for p in heldout.prompts}
+    assert [p.id for p in load_prompts("builtin:demo").prompts] == [p.id for p in demo.prompts]  # stable
+
+
+@pytest.mark.parametrize("num_shards", [1, 3, 8])
+def test_shards_cover_every_prompt_exactly_once(num_shards):
+    ids = [p.id for p in load_prompts("builtin:demo").prompts]
+    taken = [i for shard in range(num_shards) for i in ids if in_shard(i, shard, num_shards)]
+    assert sorted(taken) == sorted(ids)
+    if num_shards > 1:
+        sizes = [sum(in_shard(i, s, num_shards) for i in ids) for s in range(num_shards)]
+        assert min(sizes) > len(ids) / num_shards / 2  # roughly balanced
+
+
+def test_prompt_id_is_content_hash():
+    a = prompt_id([{"role": "user", "content": "x"}])
+    assert a == prompt_id([{"content": "x", "role": "user"}]) and a != prompt_id([{"role": "user", "content": "y"}])
