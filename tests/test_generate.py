@@ -250,3 +250,12 @@ def test_hf_backend_on_smollm2(cli, tmp_path, smollm2_dir):
     rows = {r["messages"][0]["content"]: r for r in records(out)}
     assert "4" in rows["What is 2 + 2?"]["content"]
     assert rows["What is 2 + 2?"]["finish_reason"] == "stop" and rows["What is 2 + 2?"]["token_ids"][-1] == 2
+
+
+def test_vllm_backend_without_vllm_is_a_clear_error(cli, tmp_path):
+    pytest.importorskip("torch")
+    if __import__("importlib").util.find_spec("vllm") is not None:
+        pytest.skip("vllm is installed here")
+    src = prompts_file(tmp_path / "p.jsonl", 2)
+    proc = cli("generate", "--prompts", src, "--out", str(tmp_path / "gen"), "--backend", "vllm")
+    assert proc.returncode == 1 and "needs vllm" in proc.stderr and "Traceback" not in proc.stderr
