@@ -1,3 +1,4 @@
 from flashdraft.cli import app
 
-app(prog_name="flashdraft")
+if __name__ == "__main__":  # guarded: worker processes (spawn) import this module without running the CLI
+    app(prog_name="flashdraft")

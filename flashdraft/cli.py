@@ -132,11 +132,33 @@ def tokenize(
     workers: Annotated[int | None, typer.Option(help="Processes (0 = all cores).")] = None,
     min_loss_fraction: Annotated[float | None, typer.Option(help="Quality gate on supervised tokens.")] = None,
     block_size: Annotated[int | None, typer.Option(help="DFlash block size, for the anchor statistic.")] = None,
+    show: Annotated[int, typer.Option(help="Print N samples of --out with supervised tokens highlighted.")] = 0,
     config: ConfigFlag = None,
     json_out: JsonFlag = False,
 ) -> None:
     """Render completions with the target's chat template into Arrow shards with token-exact loss masks."""
-    not_implemented("tokenize")
+    from flashdraft import tokenize as stage
+
+    overrides = {
+        "tokenize.tokenizer": tokenizer,
+        "tokenize.max_length": max_length,
+        "tokenize.workers": workers,
+        "tokenize.min_loss_fraction": min_loss_fraction,
+        "tokenize.block_size": block_size,
+    }
+    cfg = _load(config, overrides)
+    out = out or Path(cfg.workdir) / "tokenize"
+    if input is None and show:
+        return stage.show(out, show, console, cfg.tokenize.tokenizer)
+    source = input or Path(cfg.workdir) / "generate"
+    try:
+        stats = stage.run(cfg.tokenize, source, out, console=err_console, log=console.print)
+    except (stage.QualityGateFailed, FileNotFoundError, ValueError) as e:
+        fail(str(e))
+    if show:
+        stage.show(out, show, console, cfg.tokenize.tokenizer)
+    if json_out:
+        emit_json({"path": str(out), **{k: v for k, v in stats.items() if k != "shards"}})
 
 
 @app.command()

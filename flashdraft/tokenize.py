@@ -1,0 +1,587 @@
+"""tokenize: completions → Arrow training shards with token-exact loss masks, a quality gate, at tokenizer speed.
+
+    flashdraft tokenize --input work/generate --out work/dataset [--tokenizer REF] [--workers N]
+    flashdraft tokenize --out work/dataset --show 3        # print samples, supervised tokens highlighted
+
+Each conversation is rendered with the target's own chat template, exactly as serving renders it, and
+tokenized once. The loss mask comes from render boundaries, not from searching the text: for a trained
+assistant turn i, the template's rendering of turns [:i] with the generation prompt is a prefix of the
+rendering of turns [:i+1], so the turn's characters are [len(before), len(through)); the fast tokenizer maps
+those character boundaries to token indices (`char_to_token`). Supervised = those tokens up to and including
+the end-of-turn token; the scaffolding after it (a newline) is not. Tokens are never re-encoded per prefix.
+
+Output: the `datasets.save_to_disk` layout (`datasets.load_from_disk` opens it) with columns `id`,
+`input_ids` (int32), `loss_mask` (uint8), `num_tokens`; manifest stats `samples`, `tokens`, `loss_tokens`,
+`loss_fraction`, `rejected`, `truncated`, `anchor_valid_samples`, a length histogram and per-shard stats.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from multiprocessing import get_context
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from flashdraft.artifact import (
+    MANIFEST,
+    Lineage,
+    atomic_open,
+    atomic_write_text,
+    build_manifest,
+    check_done,
+    list_data_files,
+    manifest_digest,
+    read_manifest,
+    sha256_file,
+    sha256_json,
+    write_manifest,
+)
+from flashdraft.config import TokenizeConfig
+from flashdraft.prompts import ROLES, prompt_id
+
+CHUNK = 128  # records per unit of work sent to a worker
+HISTOGRAM_EDGES = [0, 256, 512, 1024, 2048, 3072, 4096, 8192, 16384, 1 << 30]
+
+
+class QualityGateFailed(Exception):
+    """Too few supervised tokens: the dataset would train a drafter on almost nothing."""
+
+
+class BadRecord(ValueError):
+    pass
+
+
+# ---------------------------------------------------------------------------------------------- input
+
+
+def input_records(source: Path) -> tuple[Iterator[tuple[str, int, bytes | dict]], bool]:
+    """(records as (file, line, raw JSON or row), whether the input is a generate artifact)."""
+    if source.is_dir():
+        try:
+            kind = read_manifest(source).kind
+        except Exception:
+            kind = None
+        if kind == "completions":
+            files = sorted(source.glob("batch-*[0-9].jsonl"))
+            return _jsonl_lines(files), True
+        files = sorted(p for p in source.iterdir() if p.suffix in (".jsonl", ".json", ".parquet"))
+        if not files:
+            raise FileNotFoundError(f"{source} holds no .jsonl / .parquet files (and is not a generate artifact)")
+    elif source.is_file():
+        files = [source]
+    else:
+        raise FileNotFoundError(f"input not found: {source}")
+    if all(f.suffix == ".parquet" for f in files):
+        return _parquet_rows(files), False
+    return _jsonl_lines(files), False
+
+
+def _jsonl_lines(files: list[Path]) -> Iterator[tuple[str, int, bytes | dict]]:
+    for path in files:
+        with open(path, "rb") as f:
+            for number, raw in enumerate(f, start=1):
+                if raw.strip():
+                    yield path.name, number, raw
+
+
+def _parquet_rows(files: list[Path]) -> Iterator[tuple[str, int, bytes | dict]]:
+    import pyarrow.parquet as pq
+
+    for path in files:
+        for number, row in enumerate(pq.read_table(path).to_pylist(), start=1):
+            yield path.name, number, row
+
+
+def conversation(raw: bytes | dict, from_generate: bool) -> tuple[str, list[dict[str, Any]], list[int] | None, bool]:
+    """(id, messages with `reasoning` on assistant turns, the completion's token ids, thinking) or BadRecord."""
+    if isinstance(raw, bytes):
+        try:
+            record = json.loads(raw.decode("utf-8"))
+        except UnicodeDecodeError as e:
+            raise BadRecord(f"not UTF-8 (byte {e.start})") from None
+        except json.JSONDecodeError as e:
+            raise BadRecord(f"malformed JSON: {e.msg} at column {e.colno}") from None
+    else:
+        record = raw
+    if not isinstance(record, dict):
+        raise BadRecord("record is not an object")
+    messages = record.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise BadRecord("messages are missing or empty")
+    clean = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or m.get("role") not in ROLES:
+            raise BadRecord(f"turn {i}: unknown role {m.get('role') if isinstance(m, dict) else m!r}")
+        if not isinstance(m.get("content"), str):
+            raise BadRecord(f"turn {i}: content is not a string")
+        reasoning = m.get("reasoning", m.get("reasoning_content"))
+        turn = {"role": m["role"], "content": m["content"]}
+        if isinstance(reasoning, str) and reasoning.strip():
+            turn["reasoning"] = reasoning
+        clean.append(turn)
+    token_ids = None
+    if from_generate:
+        if not isinstance(record.get("content"), str):
+            raise BadRecord("completion record has no string `content`")
+        final = {"role": "assistant", "content": record["content"]}
+        if isinstance(record.get("reasoning"), str) and record["reasoning"].strip():
+            final["reasoning"] = record["reasoning"]
+        clean.append(final)
+        token_ids = record.get("token_ids")
+    if not any(m["role"] == "assistant" for m in clean):
+        raise BadRecord("no assistant turn to train on")
+    thinking = bool((record.get("sampling") or {}).get("thinking", False))
+    return str(record.get("id") or prompt_id(clean)), clean, token_ids, thinking
+
+
+# ---------------------------------------------------------------------------------------------- rendering
+
+
+@dataclass
+class Renderer:
+    """The target's chat template, and the character spans of the assistant turns to train on."""
+
+    tokenizer: Any
+    stop_ids: set[int]
+    reasoning_in_template: bool
+
+    @classmethod
+    def load(cls, path: str) -> Renderer:
+        from transformers import AutoTokenizer, GenerationConfig
+
+        tokenizer = AutoTokenizer.from_pretrained(path)
+        if not tokenizer.is_fast:
+            raise ValueError(f"{path}: flashdraft needs a fast (Rust) tokenizer for character offsets")
+        stop = {tokenizer.eos_token_id}
+        try:  # the generation config names every end-of-turn id serving stops on
+            eos = GenerationConfig.from_pretrained(path).eos_token_id
+            stop |= set(eos if isinstance(eos, list) else [eos])
+        except OSError:
+            pass
+        template = tokenizer.chat_template or ""
+        return cls(tokenizer, {i for i in stop if i is not None}, "reasoning_content" in template)
+
+    def template_messages(self, messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """Reasoning goes where the template puts it: `reasoning_content` if the template reads it (Qwen3
+        family, which drops earlier turns' reasoning itself), else a think block ahead of the final answer."""
+        last = max(i for i, m in enumerate(messages) if m["role"] == "assistant")
+        out = []
+        for i, m in enumerate(messages):
+            turn = {"role": m["role"], "content": m["content"]}
+            if m["role"] == "assistant" and self.reasoning_in_template:
+                turn["reasoning_content"] = m.get("reasoning", "") if i == last else ""
+            elif i == last and m.get("reasoning"):
+                turn["content"] = f"<think>\n{m['reasoning'].strip()}\n</think>\n\n{m['content']}"
+            out.append(turn)
+        return out
+
+    def render(self, messages: list[dict[str, Any]], thinking: bool, generation_prompt: bool = False) -> str:
+        return self.tokenizer.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=generation_prompt, enable_thinking=thinking
+        )
+
+    def spans(self, messages: list[dict[str, Any]], thinking: bool, final_only: bool) -> tuple[str, list, str, int]:
+        """(full text, [(start, end)] of trained turns, the final turn's prompt text, turns skipped as unstable)."""
+        msgs = self.template_messages(messages)
+        full = self.render(msgs, thinking)
+        assistant = [i for i, m in enumerate(msgs) if m["role"] == "assistant"]
+        trained = assistant[-1:] if final_only else assistant
+        spans, skipped, prompt_text = [], 0, ""
+        for i in trained:
+            before = self.render(msgs[:i], thinking, generation_prompt=True)
+            through = full if i == len(msgs) - 1 else self.render(msgs[: i + 1], thinking)
+            if not (full.startswith(through) and through.startswith(before)):
+                # e.g. Qwen3 renders an earlier turn differently once a later user turn exists.
+                if i == assistant[-1]:
+                    raise BadRecord(f"chat template renders turn {i} differently in context; cannot place its mask")
+                skipped += 1
+                continue
+            spans.append((len(before), len(through)))
+            prompt_text = before
+        return full, spans, prompt_text, skipped
+
+
+# ---------------------------------------------------------------------------------------------- masks
+
+
+def mask_from_spans(encoding: Any, ids: np.ndarray, spans: list[tuple[int, int]], stop_ids: set[int]) -> np.ndarray:
+    """Supervised tokens: those starting inside a span, up to and including the span's first stop token."""
+    mask = np.zeros(len(ids), dtype=np.uint8)
+    for start, end in spans:
+        first = _token_at_or_after(encoding, start, end)
+        last = _token_at_or_before(encoding, end - 1, start)
+        if first is None or last is None or last < first:
+            continue
+        stops = np.flatnonzero(np.isin(ids[first : last + 1], list(stop_ids)))
+        if len(stops):
+            last = first + int(stops[0])
+        mask[first : last + 1] = 1
+    return mask
+
+
+def _token_at_or_after(encoding: Any, char: int, limit: int) -> int | None:
+    while char < limit:
+        token = encoding.char_to_token(char)
+        if token is not None:
+            return token
+        char += 1  # a character no token covers (stripped by a normalizer): look at the next one
+    return None
+
+
+def _token_at_or_before(encoding: Any, char: int, limit: int) -> int | None:
+    while char >= limit:
+        token = encoding.char_to_token(char)
+        if token is not None:
+            return token
+        char -= 1
+    return None
+
+
+def longest_run(mask: np.ndarray) -> int:
+    if not mask.any():
+        return 0
+    padded = np.concatenate(([0], mask.astype(np.int8), [0]))
+    edges = np.flatnonzero(np.diff(padded))
+    return int((edges[1::2] - edges[::2]).max())
+
+
+# ---------------------------------------------------------------------------------------------- workers
+
+
+@dataclass
+class ChunkResult:
+    rows: list[tuple[str, np.ndarray, np.ndarray]] = field(default_factory=list)
+    rejected: list[dict[str, Any]] = field(default_factory=list)
+    truncated: int = 0
+    prompt_mismatches: int = 0
+    token_id_mismatches: int = 0
+    unstable_turns: int = 0
+
+
+_worker: dict[str, Any] = {}
+
+
+def _init_worker(tokenizer_path: str, cfg: TokenizeConfig, from_generate: bool) -> None:
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one process per core; no nested thread pools
+    _worker.update(renderer=Renderer.load(tokenizer_path), cfg=cfg, from_generate=from_generate)
+
+
+def process_chunk(items: list[tuple[str, int, bytes | dict]]) -> ChunkResult:
+    renderer: Renderer = _worker["renderer"]
+    cfg: TokenizeConfig = _worker["cfg"]
+    from_generate: bool = _worker["from_generate"]
+    backend = renderer.tokenizer.backend_tokenizer
+    result = ChunkResult()
+
+    prepared = []
+    for source, line, raw in items:
+        try:
+            sample_id, messages, token_ids, thinking = conversation(raw, from_generate)
+            full, spans, prompt_text, skipped = renderer.spans(messages, thinking, final_only=from_generate)
+        except BadRecord as e:
+            result.rejected.append({"file": source, "line": line, "reason": str(e)})
+            continue
+        except Exception as e:  # a template error on odd input is that record's problem, not the run's
+            result.rejected.append({"file": source, "line": line, "reason": f"chat template failed: {e}"})
+            continue
+        result.unstable_turns += skipped
+        prepared.append((source, line, sample_id, full, spans, prompt_text, token_ids))
+
+    texts = [p[3] for p in prepared]
+    encodings = backend.encode_batch(texts, add_special_tokens=False)
+    prompts = backend.encode_batch([p[5] for p in prepared], add_special_tokens=False)
+    for (source, line, sample_id, _, spans, _, token_ids), enc, prompt_enc in zip(
+        prepared, encodings, prompts, strict=True
+    ):
+        ids = np.asarray(enc.ids, dtype=np.int32)
+        mask = mask_from_spans(enc, ids, spans, renderer.stop_ids)
+        # Serving tokenizes the prompt alone: the prompt part of this sample must be exactly those tokens.
+        n_prompt = len(prompt_enc.ids)
+        if n_prompt > len(ids) or not np.array_equal(ids[:n_prompt], prompt_enc.ids):
+            result.prompt_mismatches += 1
+        elif token_ids is not None and ids[n_prompt : n_prompt + len(token_ids)].tolist() != list(token_ids):
+            result.token_id_mismatches += 1
+        if len(ids) > cfg.max_length:
+            ids, mask = ids[: cfg.max_length], mask[: cfg.max_length]
+            result.truncated += 1
+        if not mask.any():
+            result.rejected.append({"file": source, "line": line, "reason": "no supervised tokens left"})
+            continue
+        result.rows.append((sample_id, ids, mask))
+    return result
+
+
+# ---------------------------------------------------------------------------------------------- output
+
+
+def features():
+    from datasets import Features, List, Value
+
+    return Features(
+        {
+            "id": Value("string"),
+            "input_ids": List(Value("int32")),
+            "loss_mask": List(Value("uint8")),
+            "num_tokens": Value("int32"),
+        }
+    )
+
+
+class ShardWriter:
+    """Arrow IPC stream files named and described as `datasets.save_to_disk` does, each written atomically."""
+
+    def __init__(self, out: Path, rows_per_shard: int) -> None:
+        self.out, self.rows_per_shard = out, rows_per_shard
+        self.schema = features().arrow_schema
+        self.pending: list[tuple[str, np.ndarray, np.ndarray]] = []
+        self.shard_files: list[str] = []
+        self.shard_stats: list[dict[str, Any]] = []
+
+    def add(self, rows: list[tuple[str, np.ndarray, np.ndarray]]) -> None:
+        self.pending.extend(rows)
+        while len(self.pending) >= self.rows_per_shard:
+            self._flush(self.pending[: self.rows_per_shard])
+            self.pending = self.pending[self.rows_per_shard :]
+
+    def _flush(self, rows: list[tuple[str, np.ndarray, np.ndarray]]) -> None:
+        import pyarrow as pa
+
+        lengths = np.array([len(ids) for _, ids, _ in rows], dtype=np.int32)
+        offsets = np.concatenate(([0], np.cumsum(lengths))).astype(np.int32)
+        all_ids = np.concatenate([ids for _, ids, _ in rows]) if rows else np.zeros(0, np.int32)
+        all_mask = np.concatenate([m for _, _, m in rows]) if rows else np.zeros(0, np.uint8)
+        table = pa.Table.from_arrays(
+            [
+                pa.array([r[0] for r in rows], pa.string()),
+                pa.ListArray.from_arrays(pa.array(offsets), pa.array(all_ids, pa.int32())),
+                pa.ListArray.from_arrays(pa.array(offsets), pa.array(all_mask, pa.uint8())),
+                pa.array(lengths, pa.int32()),
+            ],
+            schema=self.schema,
+        )
+        name = f"data-{len(self.shard_files):05d}.arrow"  # renamed to -of-N once N is known
+        with atomic_open(self.out / name) as f, pa.ipc.new_stream(f, self.schema) as writer:
+            writer.write_table(table)
+        self.shard_files.append(name)
+        self.shard_stats.append(
+            {"rows": len(rows), "tokens": int(lengths.sum()), "loss_tokens": int(all_mask.sum(dtype=np.int64))}
+        )
+
+    def finish(self, fingerprint: str) -> list[str]:
+        if self.pending or not self.shard_files:
+            self._flush(self.pending)
+            self.pending = []
+        n = len(self.shard_files)
+        final = [f"data-{i:05d}-of-{n:05d}.arrow" for i in range(n)]
+        for old, new in zip(self.shard_files, final, strict=True):
+            os.replace(self.out / old, self.out / new)
+        info = {"citation": "", "description": "", "features": features().to_dict(), "homepage": "", "license": ""}
+        atomic_write_text(self.out / "dataset_info.json", json.dumps(info, indent=2))
+        state = {
+            "_data_files": [{"filename": name} for name in final],
+            "_fingerprint": fingerprint[:16],
+            "_format_columns": None,
+            "_format_kwargs": {},
+            "_format_type": None,
+            "_output_all_columns": False,
+            "_split": None,
+        }
+        atomic_write_text(self.out / "state.json", json.dumps(state, indent=2))
+        return final
+
+
+# ---------------------------------------------------------------------------------------------- stage
+
+
+def input_digest(source: Path) -> str:
+    if source.is_dir() and (source / MANIFEST).is_file():
+        return manifest_digest(source)
+    if source.is_dir():
+        return sha256_json([[rel, sha256_file(source / rel)] for rel in list_data_files(source)])
+    return sha256_file(source)
+
+
+def _chunks(records: Iterator, size: int) -> Iterator[list]:
+    chunk = []
+    for item in records:
+        chunk.append(item)
+        if len(chunk) == size:
+            yield chunk
+            chunk = []
+    if chunk:
+        yield chunk
+
+
+def run(
+    cfg: TokenizeConfig,
+    source: Path,
+    out: Path,
+    *,
+    console=None,
+    log: Callable[[str], None] = print,
+) -> dict[str, Any]:
+    """Tokenize `source` into `out`; returns the dataset stats. Raises QualityGateFailed below the gate."""
+    from flashdraft.models import resolve_model
+
+    source, out = Path(source), Path(out)
+    if not source.exists():
+        raise FileNotFoundError(f"input not found: {source}")
+    tokenizer_path = resolve_model(cfg.tokenizer, log=log)
+    tokenizer_identity = (
+        manifest_digest(tokenizer_path) if (Path(tokenizer_path) / MANIFEST).is_file() else cfg.tokenizer
+    )
+    lineage = Lineage(
+        inputs=[input_digest(source)],
+        config=sha256_json({"tokenize": cfg.model_dump(exclude={"workers"}), "tokenizer": tokenizer_identity}),
+    )
+    decision = check_done(out, lineage)
+    log(decision.line("tokenize", out))
+    if decision.done:
+        return read_manifest(out).stats
+    _clear_output(out)
+
+    records, from_generate = input_records(source)
+    workers = cfg.workers or os.cpu_count() or 1
+    writer = ShardWriter(out, cfg.rows_per_shard)
+    totals = ChunkResult()
+    lengths: list[int] = []
+    loss_tokens = anchor_valid = 0
+    init = (tokenizer_path, cfg, from_generate)
+    with _progress(console) as advance:
+        if workers == 1:
+            _init_worker(*init)
+            results = map(process_chunk, _chunks(records, CHUNK))
+            pool = None
+        else:
+            pool = get_context("spawn").Pool(workers, initializer=_init_worker, initargs=init)
+            results = pool.imap(process_chunk, _chunks(records, CHUNK))  # ordered: same output for any N
+        try:
+            for chunk in results:
+                writer.add(chunk.rows)
+                totals.rejected.extend(chunk.rejected)
+                for name in ("truncated", "prompt_mismatches", "token_id_mismatches", "unstable_turns"):
+                    setattr(totals, name, getattr(totals, name) + getattr(chunk, name))
+                for _, ids, mask in chunk.rows:
+                    lengths.append(len(ids))
+                    loss_tokens += int(mask.sum())
+                    anchor_valid += longest_run(mask) >= cfg.block_size
+                advance(len(chunk.rows) + len(chunk.rejected), sum(len(ids) for _, ids, _ in chunk.rows))
+        finally:
+            if pool is not None:
+                pool.close()
+                pool.join()
+
+    tokens = int(sum(lengths))
+    stats = {
+        "samples": len(lengths),
+        "tokens": tokens,
+        "loss_tokens": loss_tokens,
+        "loss_fraction": round(loss_tokens / tokens, 6) if tokens else 0.0,
+        "rejected": len(totals.rejected),
+        "truncated": totals.truncated,
+        "anchor_valid_samples": anchor_valid,
+        "block_size": cfg.block_size,
+        "prompt_token_mismatches": totals.prompt_mismatches,
+        "completion_token_id_mismatches": totals.token_id_mismatches,
+        "unstable_turns_skipped": totals.unstable_turns,
+        "length_histogram": {
+            f"{lo}-{hi}": int(n)
+            for lo, hi, n in zip(
+                HISTOGRAM_EDGES[:-1], HISTOGRAM_EDGES[1:], np.histogram(lengths, HISTOGRAM_EDGES)[0], strict=True
+            )
+            if n
+        },
+        "input_kind": "completions" if from_generate else "conversations",
+    }
+    atomic_write_text(out / "rejected.jsonl", "".join(json.dumps(r) + "\n" for r in totals.rejected))
+    shards = writer.finish(lineage.config)
+    stats["shards"] = [{"file": f, **s} for f, s in zip(shards, writer.shard_stats, strict=True)]
+    _gate(stats, cfg)
+    write_manifest(out, build_manifest(out, kind="dataset", stats=stats, lineage=lineage))
+    log(
+        f"tokenize: done, verified — {out}: {stats['samples']} samples, {tokens:,} tokens, "
+        f"{stats['loss_fraction']:.1%} supervised, {stats['rejected']} rejected, {stats['truncated']} truncated, "
+        f"{anchor_valid} with a full block of supervised tokens"
+    )
+    return stats
+
+
+def _gate(stats: dict[str, Any], cfg: TokenizeConfig) -> None:
+    fraction = stats["loss_fraction"]
+    if stats["samples"] == 0:
+        raise QualityGateFailed("no usable samples: every record was rejected (see rejected.jsonl)")
+    if fraction < cfg.min_loss_fraction:
+        raise QualityGateFailed(
+            f"only {fraction:.1%} of tokens are supervised (gate: {cfg.min_loss_fraction:.0%}): responses are "
+            f"probably truncated, empty or missing, or prompts dwarf them. No manifest was written. Inspect with "
+            f"`flashdraft tokenize --show 3 --out DIR`, or lower --min-loss-fraction if this is intended."
+        )
+
+
+def _clear_output(out: Path) -> None:
+    """A rebuild starts from nothing: remove the old manifest first (the artifact stops existing), then data."""
+    if not out.exists():
+        out.mkdir(parents=True)
+        return
+    (out / MANIFEST).unlink(missing_ok=True)
+    for rel in list_data_files(out):
+        (out / rel).unlink()
+
+
+class _progress:
+    def __init__(self, console) -> None:
+        self.console = console
+        self.bar = None
+
+    def __enter__(self) -> Callable[[int, int], None]:
+        from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+
+        if self.console is not None:
+            self.bar = Progress(
+                SpinnerColumn(),
+                TextColumn("tokenize {task.completed:,} records, {task.fields[tokens]:,} tokens"),
+                TimeElapsedColumn(),
+                console=self.console,
+                disable=not self.console.is_terminal,
+            )
+            self.bar.__enter__()
+            self.task = self.bar.add_task("tokenize", total=None, tokens=0)
+        self.tokens = 0
+        return self.advance
+
+    def advance(self, records: int, tokens: int) -> None:
+        self.tokens += tokens
+        if self.bar is not None:
+            self.bar.update(self.task, advance=records, tokens=self.tokens)
+
+    def __exit__(self, *exc: object) -> None:
+        if self.bar is not None:
+            self.bar.__exit__(*exc)
+
+
+# ---------------------------------------------------------------------------------------------- inspect
+
+
+def show(out: Path, n: int, console, tokenizer_ref: str) -> None:
+    """Print `n` samples with the supervised tokens highlighted (green) and the rest dim."""
+    from datasets import load_from_disk
+    from rich.text import Text
+    from transformers import AutoTokenizer
+
+    from flashdraft.models import resolve_model
+
+    tokenizer = AutoTokenizer.from_pretrained(resolve_model(tokenizer_ref, log=lambda s: None))
+    dataset = load_from_disk(str(out))
+    for row in dataset.select(range(min(n, len(dataset)))):
+        text = Text()
+        for token, supervised in zip(row["input_ids"], row["loss_mask"], strict=True):
+            piece = tokenizer.decode([token])
+            text.append(piece, style="bold green" if supervised else "dim")
+        supervised_count = sum(row["loss_mask"])
+        console.rule(f"{row['id']} — {row['num_tokens']} tokens, {supervised_count} supervised")
+        console.print(text)
