@@ -52,7 +52,9 @@ def make_data(path: Path, megabytes: int) -> int:
     written = count = 0
     with open(path, "w") as f:
         while written < megabytes * 1_000_000:
-            question = f"Refactor this function so the {rng.choice(WORDS)} is cached:\n" + code_like(rng, rng.randint(2, 20))
+            question = f"Refactor this function so the {rng.choice(WORDS)} is cached:\n" + code_like(
+                rng, rng.randint(2, 20)
+            )
             answer = "Here is the refactored code:\n```python\n" + code_like(rng, rng.randint(15, 240)) + "\n```"
             line = json.dumps({"messages": [{"role": "user", "content": question},
                                             {"role": "assistant", "content": answer}]}) + "\n"  # fmt: skip
@@ -128,7 +130,10 @@ def main() -> None:
     results["(a) raw encode_batch, 1 thread"] = (*raw_bound(tokenizer, conversations), 1)
     print("a", results["(a) raw encode_batch, 1 thread"], flush=True)
     for workers in (1, 2):
-        results[f"(b) flashdraft tokenize, {workers} worker(s)"] = (*flashdraft_run(tokenizer_dir, data, workers), workers)
+        results[f"(b) flashdraft tokenize, {workers} worker(s)"] = (
+            *flashdraft_run(tokenizer_dir, data, workers),
+            workers,
+        )
         print("b", workers, results[f"(b) flashdraft tokenize, {workers} worker(s)"], flush=True)
     results["(c) peer: apply_chat_template + regex in datasets.map"] = (*peer(tokenizer, data), 1)
     print("c", results["(c) peer: apply_chat_template + regex in datasets.map"], flush=True)

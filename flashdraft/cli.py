@@ -168,12 +168,25 @@ def train(
     target: Annotated[str | None, typer.Option(help="Target REF.")] = None,
     max_steps: Annotated[int | None, typer.Option(help="Stop after this many optimizer steps.")] = None,
     epochs: Annotated[int | None, typer.Option(help="Passes over the data.")] = None,
-    resume: Annotated[bool, typer.Option(help="Resume from the newest complete checkpoint.")] = False,
+    resume: Annotated[
+        bool, typer.Option(help="Require a checkpoint to resume from (a rerun into the same --out always resumes).")
+    ] = False,
     config: ConfigFlag = None,
     json_out: JsonFlag = False,
 ) -> None:
-    """Train the DFlash block-diffusion drafter on the target's hidden states."""
-    not_implemented("train")
+    """Train the DFlash block-diffusion drafter on the target's hidden states (torchrun for DDP)."""
+    from flashdraft import train as stage
+
+    overrides = {"train.target": target, "train.max_steps": max_steps, "train.epochs": epochs}
+    cfg = _load(config, overrides)
+    data = data or Path(cfg.workdir) / "tokenize"
+    out = out or Path(cfg.workdir) / "train"
+    try:
+        stats = stage.run(cfg.train, data, out, require_checkpoint=resume, console=err_console, log=console.print)
+    except (stage.BadTrainingInput, FileNotFoundError) as e:
+        fail(str(e))
+    if json_out and stats:
+        emit_json({"path": str(out / "drafter"), **stats})
 
 
 @app.command("eval")

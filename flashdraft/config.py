@@ -60,6 +60,15 @@ class TrainConfig(Section):
     max_steps: int | None = None
     max_length: int = 3072
     seed: int = 0
+    batch_size: int = 4  # sequences per optimizer step (per process under torchrun)
+    weight_decay: float = 0.0
+    checkpoint_every: int = 200  # optimizer steps; also at every epoch end
+    eval_samples: int = 16  # held-out tail of the dataset for per-position accuracy and simulated τ
+    init_from_target: bool = False  # start draft layers from the target's last layers
+    mask_token_id: int | None = None  # None: an id the target never uses (a padded row, or unseen in the data)
+    device: str | None = None  # drafter device; None: cuda if available, else cpu
+    target_device: str | None = None  # e.g. "cuda:0,cuda:1" to spread the target; None: the drafter's device
+    fsdp: bool = False  # shard the drafter with FSDP instead of DDP under torchrun
 
 
 class EvalConfig(Section):

@@ -1,0 +1,88 @@
+"""DFlash training blocks: anchors, block inputs, same-position labels, the attention mask, the weighted loss.
+
+For a sequence of T tokens and N anchors a_1 < … < a_N, block n is [token a_n, MASK × (K−1)] at positions
+a_n … a_n+K−1. Block position k (1 ≤ k < K) predicts the token AT a_n + k (same position, no shift; the
+anchor itself is not in the loss). Block n sees context features at positions < a_n, its own K positions in
+both directions, and no other block — so every block of a sequence trains in one forward pass.
+
+Shape legend: T tokens, N anchors, K block size, S = N·K block positions, C context positions (= T).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+DECAY_GAMMA = {16: 7.0, 10: 5.0, 8: 4.0}  # the paper's γ for common block sizes
+
+
+def loss_gamma(block_size: int) -> float:
+    return DECAY_GAMMA.get(block_size, max(1.0, (block_size - 2) / 2))
+
+
+def sample_anchors(loss_mask_T: torch.Tensor, block_size: int, max_anchors: int, generator: torch.Generator):
+    """Random anchors among supervised positions p ≤ T − K (a full block fits), sorted; may be empty."""
+    t = loss_mask_T.shape[0]
+    candidates = torch.nonzero(loss_mask_T[: max(0, t - block_size + 1)], as_tuple=True)[0]
+    if len(candidates) > max_anchors:
+        pick = torch.randperm(len(candidates), generator=generator)[:max_anchors]
+        candidates = candidates[pick]
+    return torch.sort(candidates).values
+
+
+def build_blocks(input_ids_T, loss_mask_T, anchors_N, block_size: int, mask_token_id: int):
+    """(block_ids_NK, positions_NK, labels_NK, label_weight_NK). Weights are 0 at k = 0 and where the label
+    token is not supervised; elsewhere exp(−(k−1)/γ)."""
+    k = torch.arange(block_size)
+    positions = anchors_N[:, None] + k[None, :]
+    block_ids = torch.full_like(positions, mask_token_id)
+    block_ids[:, 0] = input_ids_T[anchors_N]
+    labels = input_ids_T[positions]  # same position: block position k predicts the token at anchor + k
+    decay = torch.exp(-(k.float() - 1).clamp(min=0) / loss_gamma(block_size))
+    decay[0] = 0.0  # the anchor is given, not predicted
+    weights = decay[None, :] * loss_mask_T[positions].float()
+    return block_ids, positions, labels, weights
+
+
+def block_attention_mask(anchors_N: torch.Tensor, block_size: int, context_len: int) -> torch.Tensor:
+    """allowed_SX (bool): block position s may attend key x, keys = [context 0..C−1, block positions 0..S−1]."""
+    n = anchors_N.shape[0]
+    block_of = torch.arange(n).repeat_interleave(block_size)  # S
+    anchor_of = anchors_N[block_of]  # S
+    sees_context = torch.arange(context_len)[None, :] < anchor_of[:, None]  # S × C: strictly before the anchor
+    sees_block = block_of[:, None] == block_of[None, :]  # S × S: own block, both directions
+    return torch.cat([sees_context, sees_block], dim=1)
+
+
+def weighted_loss(logits_SV: torch.Tensor, labels_S: torch.Tensor, weights_S: torch.Tensor) -> torch.Tensor:
+    """Cross-entropy weighted by position decay × loss mask, normalised by the weight sum."""
+    ce = torch.nn.functional.cross_entropy(logits_SV.float(), labels_S, reduction="none")
+    return (ce * weights_S).sum() / weights_S.sum().clamp(min=1e-8)
+
+
+def expected_acceptance_length(accept_rate_by_position: list[float]) -> float:
+    """τ expected from per-position acceptance rates (block positions 1..K−1, each conditional on the earlier
+    ones being accepted): 1 bonus token + Σ_k Π_{j≤k} rate_j. Shared by training metrics and eval reports."""
+    tau, survive = 1.0, 1.0
+    for rate in accept_rate_by_position:
+        if math.isnan(rate):  # no sample reached this position: count nothing beyond it
+            break
+        survive *= rate
+        tau += survive
+    return tau
+
+
+def per_position_accuracy(logits_NKV, labels_NK, weights_NK) -> list[float]:
+    """Conditional accuracy at block positions 1..K−1: correct at k given correct at all 1..k−1 (greedy
+    acceptance), over supervised labels. Feeds `expected_acceptance_length`."""
+    correct = (logits_NKV.argmax(-1) == labels_NK) | (weights_NK == 0)
+    prefix = torch.cumprod(correct[:, 1:].int(), dim=1)  # N × (K−1): accepted through k
+    rates = []
+    alive = torch.ones(prefix.shape[0], dtype=torch.bool)
+    for j in range(prefix.shape[1]):
+        supervised = weights_NK[:, j + 1] > 0
+        eligible = alive & supervised
+        rates.append(float(prefix[eligible, j].float().mean()) if eligible.any() else math.nan)
+        alive = prefix[:, j].bool()
+    return rates

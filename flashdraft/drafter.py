@@ -1,0 +1,199 @@
+"""The DFlash drafter: a few non-causal decoder layers of the target's shape, conditioned on target features.
+
+    drafter = DFlashDrafter(draft_config(target.config, num_layers=5, block_size=16, mask_token_id=...))
+    hidden_BSD = drafter(block_embeds_BSD, features_BCF, block_pos_BS, ctx_pos_BC, allowed_BSX)
+    logits = target.lm_head(hidden_BSD)                          # the target's own (frozen) LM head
+
+The target features are projected by `fc` (n·D → D, no bias) and an RMSNorm into the context.
+
+KV injection: in every layer the projected context goes through that layer's own k/v projections (k-norm,
+RoPE at the context positions) and is prepended to the block's keys and values; queries come only from the
+blocks. Attention is non-causal; which block may see what is entirely the caller's `allowed` mask. The
+layers follow Qwen3's shape (q/k RMSNorm per head), which is what the z-lab checkpoint format and the SGLang
+and vLLM DFlash implementations load, whatever the target family.
+
+Shape legend: B batch, S block positions (every block of a sequence, flattened), C context positions,
+X = C + S keys, D hidden, H query heads, G key/value heads, E head dim, F = n·D concatenated target features.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import Qwen3Config
+from transformers.models.qwen3.modeling_qwen3 import Qwen3RotaryEmbedding
+
+
+def uniform_layer_ids(num_target_layers: int, n: int) -> list[int]:
+    """n target layers spread uniformly from 1 to L−3 (Qwen3-8B, L=36, n=5: [1, 9, 17, 25, 33])."""
+    if n == 1:
+        return [num_target_layers // 2]
+    last = min(max(num_target_layers - 3, n), num_target_layers - 1)  # tiny targets: still n distinct layers
+    return [round(1 + i * (last - 1) / (n - 1)) for i in range(n)]
+
+
+def draft_config(
+    target_config,
+    *,
+    num_layers: int,
+    block_size: int,
+    mask_token_id: int,
+    target_layer_ids: list[int] | None = None,
+) -> Qwen3Config:
+    """A Qwen3-shaped config with the target's hidden size, heads, MLP, norms and RoPE."""
+    t = target_config
+    head_dim = getattr(t, "head_dim", None) or t.hidden_size // t.num_attention_heads
+    rope = getattr(t, "rope_parameters", None) or {"rope_type": "default", "rope_theta": getattr(t, "rope_theta", 1e4)}
+    layer_ids = target_layer_ids or uniform_layer_ids(t.num_hidden_layers, num_layers)
+    config = Qwen3Config(
+        vocab_size=t.vocab_size,
+        hidden_size=t.hidden_size,
+        intermediate_size=t.intermediate_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=t.num_attention_heads,
+        num_key_value_heads=getattr(t, "num_key_value_heads", t.num_attention_heads),
+        head_dim=head_dim,
+        hidden_act=getattr(t, "hidden_act", "silu"),
+        max_position_embeddings=t.max_position_embeddings,
+        rms_norm_eps=getattr(t, "rms_norm_eps", 1e-6),
+        rope_parameters=dict(rope),
+        attention_bias=False,
+        tie_word_embeddings=False,
+    )
+    config.architectures = ["DFlashDraftModel"]
+    config.block_size = block_size
+    config.num_target_layers = t.num_hidden_layers
+    config.dflash_config = {"mask_token_id": mask_token_id, "target_layer_ids": list(layer_ids)}
+    return config
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """RoPE on x (B, heads, positions, E) with cos/sin (B, positions, E)."""
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+class Attention(nn.Module):
+    def __init__(self, config: Qwen3Config) -> None:
+        super().__init__()
+        self.heads, self.kv_heads, self.head_dim = (
+            config.num_attention_heads,
+            config.num_key_value_heads,
+            config.head_dim,
+        )
+        d = config.hidden_size
+        self.q_proj = nn.Linear(d, self.heads * self.head_dim, bias=False)
+        self.k_proj = nn.Linear(d, self.kv_heads * self.head_dim, bias=False)
+        self.v_proj = nn.Linear(d, self.kv_heads * self.head_dim, bias=False)
+        self.o_proj = nn.Linear(self.heads * self.head_dim, d, bias=False)
+        self.q_norm = nn.RMSNorm(self.head_dim, eps=config.rms_norm_eps)
+        self.k_norm = nn.RMSNorm(self.head_dim, eps=config.rms_norm_eps)
+
+    def context_kv(self, ctx_BCD: torch.Tensor, rope_ctx: tuple) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values of the injected context (B, G, C, E): cacheable, they depend on context alone."""
+        b, c, _ = ctx_BCD.shape
+        k = self.k_norm(self.k_proj(ctx_BCD).view(b, c, self.kv_heads, self.head_dim)).transpose(1, 2)
+        v = self.v_proj(ctx_BCD).view(b, c, self.kv_heads, self.head_dim).transpose(1, 2)
+        return rotate(k, *rope_ctx), v
+
+    def forward(self, x_BSD, ctx_kv, rope_block, allowed_BSX) -> torch.Tensor:
+        b, s, _ = x_BSD.shape
+        q = self.q_norm(self.q_proj(x_BSD).view(b, s, self.heads, self.head_dim)).transpose(1, 2)
+        k = self.k_norm(self.k_proj(x_BSD).view(b, s, self.kv_heads, self.head_dim)).transpose(1, 2)
+        v = self.v_proj(x_BSD).view(b, s, self.kv_heads, self.head_dim).transpose(1, 2)
+        q, k = rotate(q, *rope_block), rotate(k, *rope_block)
+        k_ctx, v_ctx = ctx_kv
+        k, v = torch.cat([k_ctx, k], dim=2), torch.cat([v_ctx, v], dim=2)
+        mask = None if allowed_BSX is None else allowed_BSX.unsqueeze(1)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=self.heads != self.kv_heads)
+        return self.o_proj(out.transpose(1, 2).reshape(b, s, self.heads * self.head_dim))
+
+
+class MLP(nn.Module):
+    def __init__(self, config: Qwen3Config) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DraftLayer(nn.Module):
+    def __init__(self, config: Qwen3Config) -> None:
+        super().__init__()
+        self.input_layernorm = nn.RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.self_attn = Attention(config)
+        self.post_attention_layernorm = nn.RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.mlp = MLP(config)
+
+    def forward(self, x_BSD, ctx_BCD, rope_block, rope_ctx, allowed_BSX, ctx_kv=None) -> torch.Tensor:
+        if ctx_kv is None:
+            ctx_kv = self.self_attn.context_kv(ctx_BCD, rope_ctx)
+        x_BSD = x_BSD + self.self_attn(self.input_layernorm(x_BSD), ctx_kv, rope_block, allowed_BSX)
+        return x_BSD + self.mlp(self.post_attention_layernorm(x_BSD))
+
+
+class DFlashDrafter(nn.Module):
+    """Trainable parts only: the shared embedding and LM head stay in the (frozen) target."""
+
+    def __init__(self, config: Qwen3Config) -> None:
+        super().__init__()
+        self.config = config
+        self.block_size: int = config.block_size
+        self.mask_token_id: int = config.dflash_config["mask_token_id"]
+        self.target_layer_ids: list[int] = list(config.dflash_config["target_layer_ids"])
+        d = config.hidden_size
+        self.fc = nn.Linear(len(self.target_layer_ids) * d, d, bias=False)
+        self.hidden_norm = nn.RMSNorm(d, eps=config.rms_norm_eps)
+        self.layers = nn.ModuleList(DraftLayer(config) for _ in range(config.num_hidden_layers))
+        self.norm = nn.RMSNorm(d, eps=config.rms_norm_eps)
+        self.rotary_emb = Qwen3RotaryEmbedding(config)
+        self.apply(self._init)
+
+    @staticmethod
+    def _init(module: nn.Module) -> None:
+        if isinstance(module, nn.Linear):
+            nn.init.normal_(module.weight, std=0.02)
+
+    def project_context(self, features_BCF: torch.Tensor) -> torch.Tensor:
+        return self.hidden_norm(self.fc(features_BCF))
+
+    def rope(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.rotary_emb(x, positions)
+
+    def forward(self, block_embeds_BSD, features_BCF, block_pos_BS, ctx_pos_BC, allowed_BSX):
+        """Training: every block of the batch in one pass. `allowed_BSX[b, s, x]`: may block position s
+        attend to key x (keys: the context first, then the block positions)?"""
+        ctx_BCD = self.project_context(features_BCF)
+        rope_ctx = self.rope(ctx_BCD, ctx_pos_BC)
+        return self.decode(block_embeds_BSD, block_pos_BS, allowed_BSX, ctx_BCD=ctx_BCD, rope_ctx=rope_ctx)
+
+    def decode(self, block_embeds_BSD, block_pos_BS, allowed_BSX, ctx_kv=None, ctx_BCD=None, rope_ctx=None):
+        """The layers over the blocks, with context keys/values either cached (`ctx_kv`, one per layer,
+        as eval keeps them) or computed from `ctx_BCD`."""
+        rope_block = self.rope(block_embeds_BSD, block_pos_BS)
+        x = block_embeds_BSD
+        for i, layer in enumerate(self.layers):
+            x = layer(x, ctx_BCD, rope_block, rope_ctx, allowed_BSX, None if ctx_kv is None else ctx_kv[i])
+        return self.norm(x)
+
+    def context_kv(self, features_BCF: torch.Tensor, ctx_pos_BC: torch.Tensor) -> list[tuple[torch.Tensor, ...]]:
+        """Every layer's context keys/values for new target features (eval appends them to its cache)."""
+        ctx_BCD = self.project_context(features_BCF)
+        rope_ctx = self.rope(ctx_BCD, ctx_pos_BC)
+        return [layer.self_attn.context_kv(ctx_BCD, rope_ctx) for layer in self.layers]
+
+    def init_from_target(self, target: nn.Module) -> None:
+        """Start the draft layers from the target's last layers (a lever for small data)."""
+        target_layers = target.model.layers[-len(self.layers) :]
+        for mine, theirs in zip(self.layers, target_layers, strict=True):
+            own = mine.state_dict()
+            for name, tensor in theirs.state_dict().items():
+                if name in own and own[name].shape == tensor.shape:
+                    own[name] = tensor.detach().clone()
+            mine.load_state_dict(own)
