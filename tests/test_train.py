@@ -1,0 +1,312 @@
+"""The DFlash drafter and trainer on a tiny random Qwen3-shaped target, on CPU."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from flashdraft.artifact import build_manifest, read_manifest, verify_dir, write_manifest
+from flashdraft.blocks import (
+    block_attention_mask,
+    build_blocks,
+    expected_acceptance_length,
+    sample_anchors,
+)
+from flashdraft.config import TrainConfig
+from flashdraft.drafter import DFlashDrafter, draft_config, uniform_layer_ids
+from flashdraft.export import load_drafter, save_drafter
+from flashdraft.train import BadTrainingInput, Target, run, sequence_step
+
+VOCAB = 128
+
+
+@pytest.fixture(scope="module")
+def tiny_target(tmp_path_factory) -> str:
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    torch.manual_seed(0)
+    config = Qwen3Config(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=6,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                         max_position_embeddings=512)  # fmt: skip
+    path = tmp_path_factory.mktemp("tiny-qwen3")
+    Qwen3ForCausalLM(config).save_pretrained(path)
+    return str(path)
+
+
+def make_dataset(path: Path, sequences: list[list[int]], prompt_len: int = 8) -> Path:
+    from datasets import Dataset
+
+    rows = {
+        "id": [str(i) for i in range(len(sequences))],
+        "input_ids": sequences,
+        "loss_mask": [[0] * prompt_len + [1] * (len(s) - prompt_len) for s in sequences],
+        "num_tokens": [len(s) for s in sequences],
+    }
+    Dataset.from_dict(rows).save_to_disk(str(path))
+    write_manifest(path, build_manifest(path, kind="dataset"))
+    return path
+
+
+@pytest.fixture(scope="module")
+def tiny_dataset(tmp_path_factory) -> Path:
+    g = torch.Generator().manual_seed(1)
+    sequences = [torch.randint(0, 120, (40 + i,), generator=g).tolist() for i in range(12)]
+    return make_dataset(tmp_path_factory.mktemp("ds") / "ds", sequences)
+
+
+def tiny_cfg(target: str, **kw) -> TrainConfig:
+    base = dict(target=target, num_layers=2, block_size=8, max_anchors=8, batch_size=2, epochs=1, lr=3e-3,
+                checkpoint_every=2, eval_samples=2, mask_token_id=127)  # fmt: skip
+    return TrainConfig(**{**base, **kw})
+
+
+def quiet(_):
+    return None
+
+
+# ------------------------------------------------------------------------------------------- the mask
+
+
+def test_each_block_sees_only_earlier_context_and_itself():
+    from transformers import Qwen3Config
+
+    target_config = Qwen3Config(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=6,
+                                num_attention_heads=4, num_key_value_heads=2, head_dim=8)  # fmt: skip
+    torch.manual_seed(0)
+    drafter = DFlashDrafter(draft_config(target_config, num_layers=2, block_size=4, mask_token_id=127)).eval()
+    anchors = torch.tensor([10, 20, 30])
+    k, c = 4, 40
+    features = torch.randn(1, c, 2 * 32)
+    embeds = torch.randn(1, 3 * k, 32)
+    positions = (anchors[:, None] + torch.arange(k)).view(1, -1)
+    allowed = block_attention_mask(anchors, k, c)[None]
+
+    def out(f, e):
+        with torch.no_grad():
+            return drafter(e, f, positions, torch.arange(c)[None], allowed).view(3, k, -1)
+
+    base = out(features, embeds)
+
+    def changed(f=features, e=embeds):
+        return [not torch.allclose(base[n], out(f, e)[n], atol=1e-6) for n in range(3)]
+
+    f = features.clone()
+    f[0, 15] += 1.0  # visible to blocks anchored at 20 and 30 only
+    assert changed(f=f) == [False, True, True]
+    f = features.clone()
+    f[0, 20] += 1.0  # the anchor's own position: strictly-before means block 2 cannot see it
+    assert changed(f=f) == [False, False, True]
+    e = embeds.clone()
+    e[0, k + 2] += 1.0  # a token inside block 2: the whole block sees it (bidirectional), no other block
+    assert changed(e=e) == [False, True, False]
+    bidirectional = out(features, e)[1, 0]  # position 0 of that block sees a later position of its block
+    assert not torch.allclose(bidirectional, base[1, 0], atol=1e-6)
+
+
+def test_blocks_use_same_position_labels_and_decay():
+    ids = torch.arange(100, 140)
+    mask = torch.ones(40, dtype=torch.long)
+    mask[:5] = 0
+    anchors = torch.tensor([5, 12])
+    block_ids, positions, labels, weights = build_blocks(ids, mask, anchors, 4, mask_token_id=999)
+    assert block_ids.tolist() == [[105, 999, 999, 999], [112, 999, 999, 999]]
+    assert positions.tolist() == [[5, 6, 7, 8], [12, 13, 14, 15]]
+    assert labels.tolist() == [[105, 106, 107, 108], [112, 113, 114, 115]]  # the token AT anchor + k
+    assert weights[:, 0].tolist() == [0.0, 0.0]  # the anchor is not predicted
+    assert weights[0, 1] == 1.0 and weights[0, 2] < 1.0 and weights[0, 3] < weights[0, 2]
+
+
+def test_anchors_come_from_supervised_positions_where_a_block_fits():
+    mask = torch.zeros(30, dtype=torch.long)
+    mask[10:] = 1
+    anchors = sample_anchors(mask, 8, 100, torch.Generator().manual_seed(0))
+    assert anchors.tolist() == list(range(10, 23))  # ≤ 30 − 8
+    few = sample_anchors(mask, 8, 5, torch.Generator().manual_seed(0))
+    assert len(few) == 5 and set(few.tolist()) <= set(range(10, 23))
+    assert few.tolist() == sorted(few.tolist())
+
+
+def test_expected_acceptance_length():
+    assert expected_acceptance_length([]) == 1.0
+    assert expected_acceptance_length([1.0] * 15) == 16.0
+    assert expected_acceptance_length([0.5, 0.5]) == pytest.approx(1 + 0.5 + 0.25)
+    assert expected_acceptance_length([0.5, float("nan"), 1.0]) == 1.5
+
+
+def test_target_layer_ids_default():
+    assert uniform_layer_ids(36, 5) == [1, 9, 17, 25, 33]
+
+
+# ------------------------------------------------------------------------------------------- learning
+
+
+def test_overfit_one_sequence_reproduces_it_at_block_positions(tiny_target, tmp_path):
+    """The label-alignment check: predicting the token AT anchor+k. A one-position shift fails here."""
+    g = torch.Generator().manual_seed(3)
+    ids = torch.randint(0, 120, (48,), generator=g)
+    mask = torch.ones(48, dtype=torch.long)
+    mask[:4] = 0
+    cfg = tiny_cfg(tiny_target, max_anchors=64, lr=1e-2)
+    target = Target(tiny_target, "cpu", quiet)
+    drafter = DFlashDrafter(draft_config(target.config, num_layers=2, block_size=8, mask_token_id=127))
+    target.watch(drafter.target_layer_ids)
+    optimizer = torch.optim.AdamW(drafter.parameters(), lr=cfg.lr)
+    losses = []
+    for step in range(150):
+        result = sequence_step(drafter, target, ids, mask, cfg, torch.Generator().manual_seed(step), "cpu")
+        result["loss"].backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(result["loss"].item())
+    assert losses[-1] < losses[0] / 5
+
+    anchors = torch.arange(4, 41)
+    block_ids, positions, labels, weights = build_blocks(ids, mask, anchors, 8, 127)
+    with torch.no_grad():
+        features = target.features(ids[None, :40])
+        embeds = target.model.get_input_embeddings()(block_ids.view(1, -1))
+        hidden = drafter(embeds, features, positions.view(1, -1), torch.arange(40)[None],
+                         block_attention_mask(anchors, 8, 40)[None])  # fmt: skip
+        predicted = target.model.lm_head(hidden).argmax(-1).view(len(anchors), 8)
+    same_position = (predicted[:, 1:] == labels[:, 1:]).float().mean().item()
+    shifted = (predicted[:, 1:7] == ids[positions[:, 2:]]).float().mean().item()
+    assert same_position > 0.9 and shifted < 0.2
+
+
+def test_training_run_checkpoints_exports_and_reruns_as_done(tiny_target, tiny_dataset, tmp_path):
+    out = tmp_path / "out"
+    stats = run(tiny_cfg(tiny_target, epochs=2), tiny_dataset, out, log=quiet)
+    assert stats["steps"] == 10  # (12 − 2 held out) / batch 2 × 2 epochs
+    assert verify_dir(out / "drafter") == []
+    assert [p.name for p in sorted((out / "checkpoints").iterdir())] == [f"step-{s:07d}" for s in (2, 4, 6, 8, 10)]
+    metrics = [json.loads(line) for line in (out / "metrics.jsonl").open()]
+    steps = [m for m in metrics if "loss" in m]
+    assert [m["step"] for m in steps] == list(range(1, 11)) and all(len(m["accuracy_by_position"]) == 7 for m in steps)
+    assert any("heldout" in m for m in metrics)
+    lines = []
+    run(tiny_cfg(tiny_target, epochs=2), tiny_dataset, out, log=lines.append)
+    assert "already done, verified" in lines[0]
+
+
+def test_export_round_trip(tiny_target, tmp_path):
+    from transformers import AutoConfig
+
+    config = draft_config(AutoConfig.from_pretrained(tiny_target), num_layers=2, block_size=8, mask_token_id=127)
+    drafter = DFlashDrafter(config)
+    save_drafter(drafter, tmp_path / "drafter", stats={"x": 1})
+    raw = json.loads((tmp_path / "drafter" / "config.json").read_text())
+    assert raw["architectures"] == ["DFlashDraftModel"] and raw["block_size"] == 8
+    assert raw["num_target_layers"] == 6 and raw["dflash_config"] == {"mask_token_id": 127, "target_layer_ids": [1, 3]}
+    assert raw["model_type"] == "qwen3" and raw["num_hidden_layers"] == 2
+    names = set(load_file(str(tmp_path / "drafter" / "model.safetensors")))
+    assert {"fc.weight", "hidden_norm.weight", "norm.weight", "layers.1.self_attn.k_norm.weight"} <= names
+    assert not any("embed" in n or "lm_head" in n or "rotary" in n for n in names)
+    assert read_manifest(tmp_path / "drafter").kind == "drafter"
+    loaded = load_drafter(tmp_path / "drafter")
+    for (name, a), (_, b) in zip(drafter.state_dict().items(), loaded.state_dict().items(), strict=True):
+        assert torch.equal(a, b), name
+    assert loaded.block_size == 8 and loaded.target_layer_ids == [1, 3] and loaded.mask_token_id == 127
+
+
+# ------------------------------------------------------------------------------------------- bad input
+
+
+def test_bad_inputs_fail_before_compute(tiny_target, tmp_path):
+    from datasets import Dataset
+
+    no_mask = tmp_path / "no-mask"
+    Dataset.from_dict({"input_ids": [[1, 2, 3] * 10]}).save_to_disk(str(no_mask))
+    write_manifest(no_mask, build_manifest(no_mask, kind="dataset"))
+    with pytest.raises(BadTrainingInput, match="loss_mask"):
+        run(tiny_cfg(tiny_target), no_mask, tmp_path / "o1", log=quiet)
+
+    big_ids = make_dataset(tmp_path / "vocab", [[5] * 20 + [5000] * 20])
+    with pytest.raises(BadTrainingInput, match="outside the target's vocabulary"):
+        run(tiny_cfg(tiny_target), big_ids, tmp_path / "o2", log=quiet)
+
+    short = make_dataset(tmp_path / "short", [[1, 2, 3, 4, 5, 6, 7, 8, 9, 10]] * 3, prompt_len=2)
+    with pytest.raises(BadTrainingInput, match="larger than every sample"):
+        run(tiny_cfg(tiny_target, block_size=16), short, tmp_path / "o3", log=quiet)
+
+    with pytest.raises(BadTrainingInput, match="no manifest"):
+        run(tiny_cfg(tiny_target), tmp_path / "nowhere", tmp_path / "o4", log=quiet)
+
+
+# ------------------------------------------------------------------------------------------- resume, DDP
+
+
+def write_config(path: Path, target: str, **train) -> Path:
+    import yaml
+
+    base = dict(target=target, num_layers=2, block_size=8, max_anchors=8, lr=3e-3, eval_samples=2,
+                mask_token_id=127)  # fmt: skip
+    path.write_text(yaml.safe_dump({"train": {**base, **train}}))
+    return path
+
+
+def test_killed_run_resumes_to_the_same_loss_curve_and_weights(cli, tiny_target, tiny_dataset, tmp_path):
+    config = write_config(tmp_path / "c.yaml", tiny_target, batch_size=1, epochs=2, checkpoint_every=2)
+    straight = tmp_path / "straight"
+    cli("train", "--config", str(config), "--data", str(tiny_dataset), "--out", str(straight), check=True)
+
+    killed = tmp_path / "killed"
+    args = [sys.executable, "-m", "flashdraft", "train", "--config", str(config), "--data", str(tiny_dataset),
+            "--out", str(killed)]  # fmt: skip
+    proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 120
+    while not (killed / "checkpoints" / "step-0000006").exists() and time.time() < deadline:
+        time.sleep(0.01)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    assert not (killed / "drafter").exists()
+    resumed = cli("train", "--config", str(config), "--data", str(tiny_dataset), "--out", str(killed), "--resume",
+                  check=True)  # fmt: skip
+    assert "resuming from step-" in resumed.stdout
+
+    def curve(out):
+        return [(m["step"], m["loss"]) for m in map(json.loads, (out / "metrics.jsonl").open()) if "loss" in m]
+
+    a, b = curve(straight), curve(killed)
+    assert [s for s, _ in a] == [s for s, _ in b] == list(range(1, 21))
+    assert all(abs(x - y) < 1e-5 for (_, x), (_, y) in zip(a, b, strict=True))
+    wa = load_file(str(straight / "drafter" / "model.safetensors"))
+    wb = load_file(str(killed / "drafter" / "model.safetensors"))
+    assert all(torch.allclose(wa[k], wb[k], atol=1e-6) for k in wa)
+
+
+def test_resume_ignores_an_incomplete_checkpoint(tiny_target, tiny_dataset, tmp_path):
+    out = tmp_path / "out"
+    run(tiny_cfg(tiny_target, max_steps=4), tiny_dataset, out, log=quiet)
+    shutil_rm = __import__("shutil").rmtree
+    shutil_rm(out / "drafter")
+    (out / "checkpoints" / "step-0000004" / "manifest.json").unlink()  # as if killed before its commit
+    lines = []
+    run(tiny_cfg(tiny_target, max_steps=4), tiny_dataset, out, log=lines.append)
+    assert any("ignoring incomplete checkpoint step-0000004" in line for line in lines)
+    assert any("resuming from step-0000002" in line for line in lines)
+
+
+@pytest.mark.slow
+def test_two_process_ddp_matches_single_process_on_the_same_global_batch(tiny_target, tiny_dataset, tmp_path):
+    single = write_config(tmp_path / "single.yaml", tiny_target, batch_size=2, max_steps=2, checkpoint_every=1)
+    ddp = write_config(tmp_path / "ddp.yaml", tiny_target, batch_size=1, max_steps=2, checkpoint_every=1)
+    subprocess.run([sys.executable, "-m", "flashdraft", "train", "--config", str(single), "--data",
+                    str(tiny_dataset), "--out", str(tmp_path / "one")], check=True, capture_output=True)  # fmt: skip
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", "0",
+         "-m", "flashdraft", "train", "--config", str(ddp), "--data", str(tiny_dataset),
+         "--out", str(tmp_path / "two")],
+        capture_output=True, text=True, env=dict(os.environ, OMP_NUM_THREADS="1"),
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for step in ("step-0000001", "step-0000002"):
+        a = load_file(str(tmp_path / "one" / "checkpoints" / step / "drafter.safetensors"))
+        b = load_file(str(tmp_path / "two" / "checkpoints" / step / "drafter.safetensors"))
+        assert all(torch.allclose(a[k], b[k], atol=1e-5) for k in a), step
