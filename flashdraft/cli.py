@@ -192,7 +192,9 @@ def train(
 @app.command("eval")
 def evaluate(
     drafter: Annotated[Path | None, typer.Option(help="An exported drafter directory.")] = None,
-    prompts: Annotated[Path | None, typer.Option(help="Held-out prompts (JSONL).")] = None,
+    prompts: Annotated[
+        str | None, typer.Option(help="Held-out prompts (JSONL, Parquet, or builtin:demo-heldout).")
+    ] = None,
     out: Annotated[Path | None, typer.Option(help="Output directory (report.json + plots).")] = None,
     target: Annotated[str | None, typer.Option(help="Target REF.")] = None,
     max_new_tokens: Annotated[int | None, typer.Option(help="Tokens to decode per prompt.")] = None,
@@ -201,7 +203,23 @@ def evaluate(
     json_out: JsonFlag = False,
 ) -> None:
     """Measure acceptance length with lossless speculative decoding."""
-    not_implemented("eval")
+    from flashdraft import evaluate as stage
+
+    overrides = {
+        "eval.prompts": str(prompts) if prompts else None,
+        "eval.target": target,
+        "eval.max_new_tokens": max_new_tokens,
+        "eval.temperature": temperature,
+    }
+    cfg = _load(config, overrides)
+    drafter = drafter or Path(cfg.workdir) / "train" / "drafter"
+    out = out or Path(cfg.workdir) / "eval"
+    try:
+        stats = stage.run(cfg.eval, drafter, out, log=console.print)
+    except (FileNotFoundError, ValueError) as e:
+        fail(str(e))
+    if json_out:
+        emit_json({"path": str(out), **stats})
 
 
 # ---------------------------------------------------------------------------------------------- artifacts

@@ -73,8 +73,13 @@ class TrainConfig(Section):
 
 class EvalConfig(Section):
     prompts: str = "builtin:demo-heldout"
+    target: str = EMBEDDED_TARGET
+    max_prompts: int = 50
     max_new_tokens: int = 64
     temperature: float = 0.0
+    thinking: bool = False
+    prompt_lookup_tokens: int = 10  # the prompt-lookup baseline's n-gram draft length
+    seed: int = 0
 
 
 class PipelineConfig(Section):

@@ -78,7 +78,7 @@ def test_flag_set_is_frozen():
         assert found == sorted(flags), name
 
 
-@pytest.mark.parametrize("args", [["eval"], ["status"]])
+@pytest.mark.parametrize("args", [["status"]])
 def test_unbuilt_stages_say_so_and_exit_2(cli, args):
     proc = cli(*args)
     assert proc.returncode == 2

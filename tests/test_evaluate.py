@@ -1,0 +1,161 @@
+"""Speculative decoding with a DFlash drafter: lossless, cached == recomputed, distribution-preserving."""
+
+import json
+
+import pytest
+import torch
+
+from flashdraft.artifact import read_manifest, verify_dir
+from flashdraft.blocks import block_attention_mask, build_blocks
+from flashdraft.config import EvalConfig, TrainConfig
+from flashdraft.drafter import DFlashDrafter, draft_config
+from flashdraft.evaluate import SpecDecoder, run
+from flashdraft.export import save_drafter
+from flashdraft.train import Target, sequence_step
+
+
+def quiet(_):
+    return None
+
+
+@pytest.fixture(scope="module")
+def target(tiny_model_dir) -> Target:
+    return Target(tiny_model_dir, "cpu", quiet)
+
+
+def new_drafter(target: Target, block_size: int = 8, seed: int = 0) -> DFlashDrafter:
+    torch.manual_seed(seed)
+    config = draft_config(target.config, num_layers=1, block_size=block_size, mask_token_id=0)
+    return DFlashDrafter(config)
+
+
+def greedy(target: Target, prompt: list[int], n: int) -> list[int]:
+    out = target.model.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False)
+    target._captured.clear()
+    return out[0, len(prompt) :].tolist()
+
+
+PROMPT = [1, 9690, 198, 2683, 359, 253, 5356, 5646, 11, 3365, 3717, 257, 22234, 411, 2]
+
+
+def test_untrained_drafter_is_lossless_with_tau_near_one(target):
+    decoder = SpecDecoder(target, new_drafter(target), stop_ids=set())
+    spec = decoder.generate(PROMPT, 40)
+    assert spec.tokens == greedy(target, PROMPT, 40)
+    assert 1.0 <= spec.acceptance_length < 1.5
+
+
+@pytest.fixture(scope="module")
+def overfit_drafter(target) -> DFlashDrafter:
+    """A drafter that learned the target's own greedy continuation of PROMPT."""
+    continuation = greedy(target, PROMPT, 64)
+    ids = torch.tensor(PROMPT + continuation)
+    mask = torch.zeros(len(ids), dtype=torch.long)
+    mask[len(PROMPT) - 1 :] = 1
+    drafter = new_drafter(target)
+    target.watch(drafter.target_layer_ids)
+    cfg = TrainConfig(block_size=8, max_anchors=128, max_length=4096)
+    optimizer = torch.optim.AdamW(drafter.parameters(), lr=3e-3)
+    for step in range(200):
+        result = sequence_step(drafter, target, ids, mask, cfg, torch.Generator().manual_seed(step), "cpu")
+        result["loss"].backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    return drafter
+
+
+def test_overfit_drafter_accepts_many_tokens_and_stays_lossless(target, overfit_drafter):
+    decoder = SpecDecoder(target, overfit_drafter, stop_ids=set())
+    spec = decoder.generate(PROMPT, 64)
+    assert spec.tokens == greedy(target, PROMPT, 64)
+    assert spec.acceptance_length > 3.0
+
+
+def reference_decode(target: Target, drafter: DFlashDrafter, prompt: list[int], max_new: int) -> tuple[list, list]:
+    """Greedy speculative decoding recomputed from scratch at every step: no KV cache anywhere."""
+    k = drafter.block_size
+    embed, head = target.model.get_input_embeddings(), target.model.lm_head
+    with torch.no_grad():
+        logits = target.model(torch.tensor([prompt])).logits
+        tokens, accepted = [int(logits[0, -1].argmax())], []
+        while len(tokens) < max_new:
+            seq = prompt + tokens  # committed tokens; the last one is the anchor
+            anchor_pos = len(seq) - 1
+            features = target.features(torch.tensor([seq[:anchor_pos]]))
+            block, positions, _, _ = build_blocks(torch.tensor(seq + [0] * k), torch.ones(len(seq) + k),
+                                                  torch.tensor([anchor_pos]), k, drafter.mask_token_id)  # fmt: skip
+            hidden = drafter(embed(block.view(1, -1)), features, positions.view(1, -1),
+                             torch.arange(anchor_pos)[None], block_attention_mask(torch.tensor([anchor_pos]), k,
+                                                                                  anchor_pos)[None])  # fmt: skip
+            drafts = head(hidden[0, 1:]).argmax(-1)
+            full = target.model(torch.tensor([seq + drafts.tolist()])).logits[0, anchor_pos:]
+            target._captured.clear()
+            predicted = full.argmax(-1)
+            n = int((drafts == predicted[:-1]).int().cumprod(0).sum())
+            tokens += drafts[:n].tolist() + [int(predicted[n])]
+            accepted.append(n)
+    return tokens[:max_new], accepted
+
+
+def test_cached_decoding_equals_recomputing_from_scratch(target, overfit_drafter):
+    decoder = SpecDecoder(target, overfit_drafter, stop_ids=set())
+    spec = decoder.generate(PROMPT, 48)
+    tokens, accepted = reference_decode(target, overfit_drafter, PROMPT, 48)
+    assert spec.tokens == tokens and spec.accepted == accepted
+
+
+def test_sampling_keeps_the_target_distribution(tmp_path):
+    """Every emitted token is a target sample: the second token's frequencies match the exact marginal."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    torch.manual_seed(0)
+    vocab = 12
+    model = Qwen3ForCausalLM(Qwen3Config(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+                                         num_attention_heads=4, num_key_value_heads=2, head_dim=8))  # fmt: skip
+    with torch.no_grad():
+        model.lm_head.weight.mul_(40)  # peaked distributions: a wrong acceptance rule shows up
+    model.save_pretrained(tmp_path / "t")
+    target = Target(str(tmp_path / "t"), "cpu", quiet)
+    drafter = DFlashDrafter(draft_config(target.config, num_layers=1, block_size=4, mask_token_id=vocab - 1))
+    decoder = SpecDecoder(target, drafter, stop_ids=set())
+    prompt = [3, 5, 7]
+
+    with torch.no_grad():  # exact marginal of the second generated token
+        p0 = torch.softmax(model(torch.tensor([prompt])).logits[0, -1], -1)
+        second = torch.zeros(vocab)
+        for t0 in range(vocab):
+            second += p0[t0] * torch.softmax(model(torch.tensor([prompt + [t0]])).logits[0, -1], -1)
+    target._captured.clear()
+
+    generator = torch.Generator().manual_seed(1)
+    n = 2500
+    counts = torch.zeros(vocab)
+    drafted = 0
+    for _ in range(n):
+        spec = decoder.generate(prompt, 3, temperature=1.0, generator=generator)
+        counts[spec.tokens[1]] += 1
+        drafted += spec.accepted[0] > 0
+    expected = second * n
+    keep = expected > 5
+    chi2 = float((((counts - expected) ** 2) / expected)[keep].sum())
+    assert chi2 < 40.0, (chi2, counts.tolist(), expected.tolist())  # df ≤ 11: p < 1e-4 for a correct sampler
+    assert 0 < drafted < n  # both paths (accepted draft, resampled residual) were exercised
+
+
+@pytest.mark.slow
+def test_eval_stage_writes_a_verified_report(tmp_path, tiny_model_dir, target, overfit_drafter):
+    save_drafter(overfit_drafter, tmp_path / "drafter")
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": f"Tell me about {w}.", "category": c}) + "\n"
+                               for w, c in [("cats", "a"), ("dogs", "a"), ("owls", "b")]))  # fmt: skip
+    cfg = EvalConfig(prompts=str(prompts), target=tiny_model_dir, max_new_tokens=24)
+    stats = run(cfg, tmp_path / "drafter", tmp_path / "eval", log=quiet)
+    assert stats["lossless"] is True and stats["acceptance_length"] >= 1.0 and stats["prompts"] == 3
+    assert verify_dir(tmp_path / "eval") == [] and read_manifest(tmp_path / "eval").kind == "eval"
+    report = json.loads((tmp_path / "eval" / "report.json").read_text())
+    assert set(report["by_category"]) == {"a", "b"} and len(report["acceptance_by_position"]) == 7
+    assert abs(report["acceptance_length"] - report["acceptance_length_from_rates"]) < 1e-6
+    assert (tmp_path / "eval" / "acceptance_by_position.png").read_bytes()[:4] == b"\x89PNG"
+    lines = []
+    run(cfg, tmp_path / "drafter", tmp_path / "eval", log=lines.append)
+    assert "already done, verified" in lines[0]
