@@ -54,7 +54,7 @@ def overfit_drafter(target) -> DFlashDrafter:
     mask[len(PROMPT) - 1 :] = 1
     drafter = new_drafter(target)
     target.watch(drafter.target_layer_ids)
-    cfg = TrainConfig(block_size=8, max_anchors=128, max_length=4096)
+    cfg = TrainConfig(block_size=8, max_anchors=32, max_length=4096)
     optimizer = torch.optim.AdamW(drafter.parameters(), lr=3e-3)
     for step in range(200):
         result = sequence_step(drafter, target, ids, mask, cfg, torch.Generator().manual_seed(step), "cpu")
