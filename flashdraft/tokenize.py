@@ -152,17 +152,19 @@ class Renderer:
 
     @classmethod
     def load(cls, path: str) -> Renderer:
-        from transformers import AutoTokenizer, GenerationConfig
+        # PreTrainedTokenizerFast, not AutoTokenizer: the same tokenizer.json and chat template, without
+        # importing torch (seconds per worker process).
+        from transformers import PreTrainedTokenizerFast
 
-        tokenizer = AutoTokenizer.from_pretrained(path)
-        if not tokenizer.is_fast:
-            raise ValueError(f"{path}: flashdraft needs a fast (Rust) tokenizer for character offsets")
+        try:
+            tokenizer = PreTrainedTokenizerFast.from_pretrained(path)
+        except (OSError, ValueError) as e:
+            raise ValueError(f"{path}: flashdraft needs a fast tokenizer (tokenizer.json) for offsets: {e}") from None
         stop = {tokenizer.eos_token_id}
-        try:  # the generation config names every end-of-turn id serving stops on
-            eos = GenerationConfig.from_pretrained(path).eos_token_id
+        generation = Path(path) / "generation_config.json"  # every end-of-turn id serving stops on
+        if generation.is_file():
+            eos = json.loads(generation.read_text()).get("eos_token_id")
             stop |= set(eos if isinstance(eos, list) else [eos])
-        except OSError:
-            pass
         template = tokenizer.chat_template or ""
         return cls(tokenizer, {i for i in stop if i is not None}, "reasoning_content" in template)
 
@@ -242,6 +244,19 @@ def _token_at_or_before(encoding: Any, char: int, limit: int) -> int | None:
     return None
 
 
+PROMPT_CHECK_TOKENS = 8
+
+
+def _prompt_tail(encoding: Any, prompt_text: str) -> tuple[int, int, str]:
+    """(first token checked, prompt length in tokens, the prompt text from that token's start)."""
+    end = len(prompt_text)
+    n_prompt = _token_at_or_after(encoding, end, end + 64) if end else 0
+    n_prompt = len(encoding.ids) if n_prompt is None else n_prompt
+    first = max(0, n_prompt - PROMPT_CHECK_TOKENS)
+    start = encoding.token_to_chars(first)[0] if n_prompt else 0
+    return first, n_prompt, prompt_text[start:]
+
+
 def longest_run(mask: np.ndarray) -> int:
     if not mask.any():
         return 0
@@ -292,17 +307,18 @@ def process_chunk(items: list[tuple[str, int, bytes | dict]]) -> ChunkResult:
         result.unstable_turns += skipped
         prepared.append((source, line, sample_id, full, spans, prompt_text, token_ids))
 
-    texts = [p[3] for p in prepared]
-    encodings = backend.encode_batch(texts, add_special_tokens=False)
-    prompts = backend.encode_batch([p[5] for p in prepared], add_special_tokens=False)
-    for (source, line, sample_id, _, spans, _, token_ids), enc, prompt_enc in zip(
-        prepared, encodings, prompts, strict=True
+    encodings = backend.encode_batch([p[3] for p in prepared], add_special_tokens=False)
+    # Serving tokenizes the prompt alone, so the prompt part of each sample must be exactly those tokens.
+    # Tokenizations can only disagree near the boundary (a pre-tokenizer chunk such as "\n\n" split
+    # differently), so the prompt is re-encoded from a token start a few tokens back, not from the start.
+    tails = [_prompt_tail(enc, p[5]) for p, enc in zip(prepared, encodings, strict=True)]
+    tail_encodings = backend.encode_batch([text for _, _, text in tails], add_special_tokens=False)
+    for (source, line, sample_id, _, spans, _, token_ids), enc, (first, n_prompt, _), tail in zip(
+        prepared, encodings, tails, tail_encodings, strict=True
     ):
         ids = np.asarray(enc.ids, dtype=np.int32)
         mask = mask_from_spans(enc, ids, spans, renderer.stop_ids)
-        # Serving tokenizes the prompt alone: the prompt part of this sample must be exactly those tokens.
-        n_prompt = len(prompt_enc.ids)
-        if n_prompt > len(ids) or not np.array_equal(ids[:n_prompt], prompt_enc.ids):
+        if ids[first:n_prompt].tolist() != tail.ids:
             result.prompt_mismatches += 1
         elif token_ids is not None and ids[n_prompt : n_prompt + len(token_ids)].tolist() != list(token_ids):
             result.token_id_mismatches += 1

@@ -157,9 +157,12 @@ def test_qwen3_style_thinking_final_turn_only(tmp_path, qwen_tok_dir):
 
 def test_qwen3_style_thinking_off_supervises_answer_after_the_empty_think_block(tmp_path, qwen_tok_dir):
     src = write_jsonl(tmp_path / "c.jsonl", [conv("2+2?", "4.", sampling={"thinking": False})])
-    run(cfg(qwen_tok_dir), src, tmp_path / "ds", log=lambda s: None)
+    stats = run(cfg(qwen_tok_dir), src, tmp_path / "ds", log=lambda s: None)
     [row] = load_rows(tmp_path / "ds")
     assert supervised_text(qwen_tok_dir, row) == ["4.<|im_end|>"]  # the empty think block is the prompt's
+    # Serving tokenizes the prompt "…</think>\n\n" alone ("\n\n" is one token); in the training text the
+    # answer follows and this tokenizer splits it into "\n", "\n". The check must notice.
+    assert stats["prompt_token_mismatches"] == 1
 
 
 def test_llama3_style_header_template(tmp_path, llama_tok_dir):
