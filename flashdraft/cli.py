@@ -382,11 +382,26 @@ def run(
     dry_run: Annotated[bool, typer.Option(help="Check the config and print the plan.")] = False,
 ) -> None:
     """Run generate → tokenize → train → eval, skipping stages whose output verifies."""
+    from flashdraft.pipeline import artifact_dirs, run_pipeline, selected
+
+    cfg = _load(config_file, {"store": store})
     try:
-        load_config(config_file, {"store": store})
-    except ConfigError as e:
+        stages = selected(from_stage, until)
+    except ValueError as e:
         fail(str(e))
-    not_implemented("run")
+    if dry_run:
+        from flashdraft.artifact import verify_dir
+
+        dirs = artifact_dirs(cfg)
+        for stage in stages:
+            problems = verify_dir(dirs[stage])
+            state = "verified (will be checked for lineage)" if not problems else f"to build ({problems[0]})"
+            console.print(f"{stage}: {dirs[stage]} — {state}")
+        return
+    try:
+        run_pipeline(cfg, from_stage=from_stage, until=until, console=err_console, log=console.print)
+    except Exception as e:  # each stage's own error types; the message says what to do
+        fail(f"{type(e).__name__}: {e}")
 
 
 @app.command()
@@ -398,8 +413,8 @@ def demo(
 
     try:
         run_demo(workdir, console)
-    except (FileNotFoundError, ConfigError) as e:
-        fail(str(e))
+    except Exception as e:  # a stage's own error: say it plainly, exit non-zero
+        fail(f"{type(e).__name__}: {e}")
 
 
 @app.command()

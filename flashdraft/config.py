@@ -23,6 +23,7 @@ class Section(BaseModel):
 
 class GenerateConfig(Section):
     prompts: str = "builtin:demo"  # JSONL / Parquet / save_to_disk dir, or the built-in demo set
+    max_prompts: int | None = None  # take only the first N prompts (after dedupe and sharding)
     backend: Literal["hf", "openai", "vllm"] = "hf"
     model: str = EMBEDDED_TARGET
     base_urls: list[str] = []

@@ -143,7 +143,7 @@ def run(
     claim_output(out, lineage)
 
     prompt_set = load_prompts(cfg.prompts)
-    mine = [p for p in prompt_set.prompts if in_shard(p.id, cfg.shard_index, cfg.num_shards)]
+    mine = [p for p in prompt_set.prompts if in_shard(p.id, cfg.shard_index, cfg.num_shards)][: cfg.max_prompts]
     batches = [mine[i : i + cfg.batch_size] for i in range(0, len(mine), cfg.batch_size)]
     pending = [k for k in range(len(batches)) if not (out / batch_name(k)).is_file()]
     log(

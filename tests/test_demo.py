@@ -1,28 +1,69 @@
-"""The README's first command: `flashdraft demo` on the embedded SmolLM2 target, offline."""
+"""The pipeline end to end: `flashdraft run` on a tiny config, and the embedded demo's target preparation."""
 
 import json
 
 import pytest
+import yaml
 
-from flashdraft.artifact import MANIFEST, verify_dir
+from flashdraft.artifact import MANIFEST, read_manifest, verify_dir
 
 
 @pytest.mark.slow
-def test_demo_converts_the_embedded_target_once_and_verifies_it(cli, tmp_path, monkeypatch):
+def test_embedded_target_is_converted_once_and_verified(tmp_path, monkeypatch):
+    from flashdraft.models import resolve_model
+
     monkeypatch.setenv("FLASHDRAFT_CACHE", str(tmp_path / "cache"))
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    first = cli("demo", "--workdir", str(tmp_path / "work"), check=True)
+    lines = []
     target = tmp_path / "cache" / "models" / "smollm2-135m-instruct"
-    assert "target: converted" in first.stdout
+    assert resolve_model("embedded", log=lines.append) == str(target)
+    assert any("target: converted" in line for line in lines)
     assert verify_dir(target) == []
     config = json.loads((target / "config.json").read_text())
     assert config["architectures"] == ["LlamaForCausalLM"] and config["hidden_size"] == 576
     assert json.loads((target / MANIFEST).read_text())["kind"] == "model"
 
-    second = cli("demo", "--workdir", str(tmp_path / "work"), check=True)
-    assert "target: already done, verified" in second.stdout
-    assert second.stdout.count("not built") == 4  # stages not built yet are reported, not faked
+    lines.clear()
+    resolve_model("embedded", log=lines.append)
+    assert "target: already done, verified" in lines[0]
 
-    (target / "config.json").write_text((target / "config.json").read_text().replace("576", "577"))
-    third = cli("demo", "--workdir", str(tmp_path / "work"), check=True)
-    assert "does not verify: config.json" in third.stdout and "target: converted" in third.stdout
+    (target / "config.json").write_text((target / "config.json").read_text().replace("576", "577"))  # same size
+    lines.clear()
+    resolve_model("embedded", log=lines.append)
+    assert "does not verify: config.json" in lines[0] and any("target: converted" in line for line in lines)
+
+
+def tiny_pipeline_config(path, workdir, model_dir) -> str:
+    config = {
+        "workdir": str(workdir),
+        "generate": {"model": model_dir, "max_prompts": 12, "max_new_tokens": 24, "batch_size": 6},
+        "tokenize": {"tokenizer": model_dir, "min_loss_fraction": 0.05, "workers": 1},
+        "train": {"target": model_dir, "num_layers": 1, "block_size": 8, "max_anchors": 8, "epochs": 1,
+                  "batch_size": 2, "eval_samples": 2, "checkpoint_every": 100},
+        "eval": {"target": model_dir, "max_prompts": 3, "max_new_tokens": 16},
+    }  # fmt: skip
+    path.write_text(yaml.safe_dump(config))
+    return str(path)
+
+
+def test_run_pipeline_end_to_end_then_everything_is_done(cli, tmp_path, tiny_model_dir):
+    config = tiny_pipeline_config(tmp_path / "tiny.yaml", tmp_path / "work", tiny_model_dir)
+    first = cli("run", config, check=True)
+    work = tmp_path / "work"
+    for path, kind in [("generate", "completions"), ("dataset", "dataset"), ("train/drafter", "drafter"),
+                       ("eval", "eval")]:  # fmt: skip
+        assert verify_dir(work / path) == [], path
+        assert read_manifest(work / path).kind == kind
+    assert read_manifest(work / "eval").stats["lossless"] is True
+    assert "eval: done, verified" in first.stdout
+
+    again = cli("run", config, check=True)
+    assert again.stdout.count("already done, verified") == 4
+
+    plan = cli("run", config, "--dry-run", "--from", "tokenize", check=True)
+    assert "generate" not in plan.stdout and "dataset" in plan.stdout
+
+    store = tmp_path / "store"
+    pushed = cli("run", config, "--store", str(store), check=True)
+    assert pushed.stdout.count("already done, verified") >= 4
+    for stage in ("generate", "tokenize", "train", "eval"):
+        assert verify_dir(store / stage) == [], stage

@@ -1,0 +1,66 @@
+"""The pipeline: generate → tokenize → train → eval, each stage skipped when its output verifies.
+
+    flashdraft run examples/demo.yaml [--from tokenize] [--until train] [--store s3://bucket/run1]
+    flashdraft demo
+
+A plain list of steps (datatrove-style): each reads the previous stage's artifact directory under `workdir`
+and writes its own; each decides for itself whether it is already done (manifest verifies, lineage matches).
+With `store`, every artifact is pushed there as it completes and verified at the destination.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from flashdraft.config import PipelineConfig
+
+STAGES = ("generate", "tokenize", "train", "eval")
+
+
+def artifact_dirs(cfg: PipelineConfig) -> dict[str, Path]:
+    work = Path(cfg.workdir)
+    return {
+        "generate": work / "generate",
+        "tokenize": work / "dataset",
+        "train": work / "train" / "drafter",
+        "eval": work / "eval",
+    }
+
+
+def selected(from_stage: str | None, until: str | None) -> list[str]:
+    for name in (from_stage, until):
+        if name is not None and name not in STAGES:
+            raise ValueError(f"unknown stage {name!r}: one of {', '.join(STAGES)}")
+    first = STAGES.index(from_stage) if from_stage else 0
+    last = STAGES.index(until) if until else len(STAGES) - 1
+    return list(STAGES[first : last + 1])
+
+
+def run_pipeline(
+    cfg: PipelineConfig,
+    *,
+    from_stage: str | None = None,
+    until: str | None = None,
+    console=None,
+    log: Callable[[str], None] = print,
+) -> dict[str, dict[str, Any]]:
+    from flashdraft import evaluate, generate, tokenize, train
+
+    dirs = artifact_dirs(cfg)
+    steps = {
+        "generate": lambda: generate.run(cfg.generate, dirs["generate"], console=console, log=log),
+        "tokenize": lambda: tokenize.run(cfg.tokenize, dirs["generate"], dirs["tokenize"], console=console, log=log),
+        "train": lambda: train.run(cfg.train, dirs["tokenize"], dirs["train"].parent, console=console, log=log),
+        "eval": lambda: evaluate.run(cfg.eval, dirs["train"], dirs["eval"], log=log),
+    }
+    results = {}
+    for stage in selected(from_stage, until):
+        results[stage] = steps[stage]()
+        if cfg.store:
+            from flashdraft.store import open_store
+            from flashdraft.sync import push
+
+            log(push(dirs[stage], open_store(f"{cfg.store.rstrip('/')}/{stage}"), log=log).line())
+    return results
