@@ -373,7 +373,7 @@ def run(
                 last = {
                     "step": step, "epoch": epoch,
                     "loss": float(np.mean([r["loss"].item() for r in results])) if results else math.nan,
-                    "accuracy_by_position": [round(x, 4) for x in rates],
+                    "accuracy_by_position": _json_rates(rates),
                     "simulated_acceptance_length": round(expected_acceptance_length(rates), 4),
                     "tokens_per_s": round(tokens * world / max(time.perf_counter() - t0, 1e-9), 1),
                     "lr": scheduler.get_last_lr()[0],
@@ -428,9 +428,14 @@ def evaluate_heldout(model, target: Target, dataset, indices, cfg: TrainConfig, 
     rates = mean_rates(rows)
     return {
         "samples": len(rows),
-        "accuracy_by_position": [round(x, 4) for x in rates],
+        "accuracy_by_position": _json_rates(rates),
         "simulated_acceptance_length": round(expected_acceptance_length(rates), 4) if rows else None,
     }
+
+
+def _json_rates(rates: list[float]) -> list[float | None]:
+    """Rates for JSON: None where no sample reached a position (NaN is not JSON)."""
+    return [None if math.isnan(x) else round(x, 4) for x in rates]
 
 
 def _identity(path: str) -> str:
