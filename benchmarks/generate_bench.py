@@ -22,6 +22,8 @@ import time
 from datetime import UTC, datetime
 from pathlib import Path
 
+from record import record  # benchmarks/record.py, beside this script
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -125,11 +127,7 @@ def main() -> None:
             f"| {batch} | {bare_tps:.1f} | {fd_tps:.1f} | {fd_tps / bare_tps:.2f} | {bare_r['peak_rss_mb']:.0f} | "
             f"{fd_r['peak_rss_mb']:.0f} |"
         )
-    report = "\n".join(lines) + "\n"
-    print("\n" + report)
-    if not args.no_record:
-        results = ROOT / "benchmarks" / "RESULTS.md"
-        results.write_text(results.read_text().rstrip() + "\n\n" + report)
+    record(lines, keep=not args.no_record)
 
 
 if __name__ == "__main__":

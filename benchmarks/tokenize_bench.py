@@ -24,6 +24,8 @@ import time
 from datetime import UTC, datetime
 from pathlib import Path
 
+from record import record  # benchmarks/record.py, beside this script
+
 os.environ["TOKENIZERS_PARALLELISM"] = "false"  # per-core numbers: no hidden Rust thread pool
 ROOT = Path(__file__).resolve().parent.parent
 BENCH = ROOT / ".bench"
@@ -154,11 +156,7 @@ def main() -> None:
     for name, (_, seconds, _) in results.items():
         rate = per_core[name]
         lines.append(f"| {name} | {seconds:.1f} | {rate / 1e6:.2f}M | {rate / bound:.2f} | {rate / peer_rate:.2f} |")
-    report = "\n".join(lines) + "\n"
-    print("\n" + report)
-    if not args.no_record:
-        results_md = ROOT / "benchmarks" / "RESULTS.md"
-        results_md.write_text(results_md.read_text().rstrip() + "\n\n" + report)
+    record(lines, keep=not args.no_record)
 
 
 if __name__ == "__main__":

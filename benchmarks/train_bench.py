@@ -20,6 +20,8 @@ import time
 from datetime import UTC, datetime
 from pathlib import Path
 
+from record import record  # benchmarks/record.py, beside this script
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -114,11 +116,7 @@ def main() -> None:
             f"| {length} | {fast['tokens_per_s']:.0f} | {fast['peak_rss_mb']:.0f} | {naive['tokens_per_s']:.0f} | "
             f"{naive['peak_rss_mb']:.0f} | {naive['seconds_per_step'] / fast['seconds_per_step']:.1f}× |"
         )
-    report = "\n".join(lines) + "\n"
-    print("\n" + report)
-    if not args.no_record:
-        results = ROOT / "benchmarks" / "RESULTS.md"
-        results.write_text(results.read_text().rstrip() + "\n\n" + report)
+    record(lines, keep=not args.no_record)
 
 
 if __name__ == "__main__":
