@@ -74,4 +74,3 @@ def status_table(cfg: PipelineConfig) -> Table:
 
 def _fmt(value) -> str:
     return f"{value:.3g}" if isinstance(value, float) else str(value)
-
