@@ -367,10 +367,20 @@ def _debug_logging(redactor) -> None:
 @app.command()
 def status(
     store: Annotated[str | None, typer.Option(help="Also check the artifacts in this store.")] = None,
+    config: ConfigFlag = None,
     json_out: JsonFlag = False,
 ) -> None:
-    """Show each stage's artifact and whether it verifies (checked now, not remembered)."""
-    not_implemented("status")
+    """Show each stage's artifact and whether it verifies (checked now, not remembered); writes STATUS.md."""
+    from flashdraft.artifact import atomic_write_text
+    from flashdraft.demo import status_table
+    from flashdraft.pipeline import pipeline_status, status_markdown
+
+    cfg = _load(config, {"store": store})
+    rows = pipeline_status(cfg, cfg.store)
+    console.print(status_table(cfg, cfg.store))
+    atomic_write_text(Path(cfg.workdir) / "STATUS.md", status_markdown(rows))
+    if json_out:
+        emit_json({"stages": rows, "all_verified": all(r["verified"] for r in rows)})
 
 
 @app.command()
@@ -420,8 +430,4 @@ def demo(
 @app.command()
 def estimate(config_file: Annotated[Path, typer.Argument(metavar="CONFIG.yaml", help="Pipeline config.")]) -> None:
     """Tokens, disk and hours the pipeline will need, before anything runs."""
-    try:
-        load_config(config_file)
-    except ConfigError as e:
-        fail(str(e))
     not_implemented("estimate")

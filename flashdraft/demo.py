@@ -15,9 +15,9 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from flashdraft.artifact import read_manifest, verify_dir
+from flashdraft.artifact import read_manifest
 from flashdraft.config import PipelineConfig, load_config
-from flashdraft.pipeline import artifact_dirs, run_pipeline
+from flashdraft.pipeline import artifact_dirs, pipeline_status, run_pipeline
 
 # The demo's budget on 2 CPU cores: small enough to finish in minutes, large enough to learn something.
 DEMO_SETTINGS = {
@@ -38,13 +38,6 @@ DEMO_SETTINGS = {
     "eval.max_new_tokens": 48,
 }
 
-KEY_STATS = {
-    "generate": ("records", "errors", "truncated"),
-    "tokenize": ("samples", "tokens", "loss_fraction"),
-    "train": ("steps", "final_loss"),
-    "eval": ("acceptance_length", "speedup", "lossless"),
-}
-
 
 def demo_config(workdir: Path) -> PipelineConfig:
     return load_config(None, {"workdir": str(workdir), **DEMO_SETTINGS})
@@ -59,16 +52,15 @@ def run_demo(workdir: Path, console: Console) -> None:
     console.print(f"demo: acceptance length τ = {tau:.2f} on held-out prompts (checked now, from verified artifacts)")
 
 
-def status_table(cfg: PipelineConfig) -> Table:
+def status_table(cfg: PipelineConfig, store: str | None = None) -> Table:
     """Each stage's artifact as it is now: verified or not (with the first problem), and its key stats."""
     table = Table(title="status (checked now)")
-    for column in ("stage", "artifact", "verified", "stats"):
+    for column in ("stage", "where", "artifact", "verified", "stats"):
         table.add_column(column)
-    for stage, path in artifact_dirs(cfg).items():
-        problems = verify_dir(path)
-        stats = read_manifest(path).stats if not problems else {}
-        shown = ", ".join(f"{k} {_fmt(stats[k])}" for k in KEY_STATS[stage] if k in stats)
-        table.add_row(stage, str(path), "yes" if not problems else f"no: {problems[0]}", shown)
+    for row in pipeline_status(cfg, store):
+        shown = ", ".join(f"{k} {_fmt(v)}" for k, v in row["stats"].items())
+        table.add_row(row["stage"], row["where"], row["artifact"], "yes" if row["verified"] else f"no: {row['reason']}",
+                      shown)  # fmt: skip
     return table
 
 

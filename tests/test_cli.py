@@ -46,7 +46,7 @@ FROZEN_FLAGS = {
     "manifest": ["--json", "--kind"],
     "verify": ["--deep", "--endpoint-url", "--json", "--profile"],
     "sync": ["--delete", "--endpoint-url", "--jobs", "--json", "--part-size-mb", "--profile", "--verbose"],
-    "status": ["--json", "--store"],
+    "status": ["--config", "--json", "--store"],
     "run": ["--dry-run", "--from", "--store", "--until"],
     "demo": ["--workdir"],
     "estimate": [],
@@ -78,7 +78,7 @@ def test_flag_set_is_frozen():
         assert found == sorted(flags), name
 
 
-@pytest.mark.parametrize("args", [["status"]])
+@pytest.mark.parametrize("args", [["estimate", "x.yaml"]])
 def test_unbuilt_stages_say_so_and_exit_2(cli, args):
     proc = cli(*args)
     assert proc.returncode == 2

@@ -67,3 +67,29 @@ def test_run_pipeline_end_to_end_then_everything_is_done(cli, tmp_path, tiny_mod
     assert pushed.stdout.count("already done, verified") >= 4
     for stage in ("generate", "tokenize", "train", "eval"):
         assert verify_dir(store / stage) == [], stage
+
+
+def test_status_reports_what_it_checks_now(cli, tmp_path, tiny_model_dir):
+    config = tiny_pipeline_config(tmp_path / "tiny.yaml", tmp_path / "work", tiny_model_dir)
+    cli("run", config, "--until", "tokenize", "--store", str(tmp_path / "store"), check=True)
+    report = json.loads(cli("status", "--config", config, "--json", check=True).stdout.strip().splitlines()[-1])
+    state = {(r["stage"], r["where"]): r for r in report["stages"]}
+    assert state[("generate", "local")]["verified"] and state[("tokenize", "local")]["verified"]
+    assert state[("tokenize", "local")]["stats"]["samples"] == 12
+    assert not state[("train", "local")]["verified"] and not report["all_verified"]
+
+    # A remote object deleted out of band: the store's copy stops verifying, the local one still does.
+    stray = next((tmp_path / "store" / "tokenize").glob("data-*.arrow"))
+    stray.unlink()
+    report = json.loads(cli("status", "--config", config, "--store", str(tmp_path / "store"), "--json",
+                            check=True).stdout.strip().splitlines()[-1])  # fmt: skip
+    state = {(r["stage"], r["where"]): r for r in report["stages"]}
+    assert not state[("tokenize", "store")]["verified"] and stray.name in state[("tokenize", "store")]["reason"]
+    assert state[("tokenize", "local")]["verified"] and state[("generate", "store")]["verified"]
+    status_md = (tmp_path / "work" / "STATUS.md").read_text()
+    assert "| tokenize | store |" in status_md and "NO" in status_md
+
+    cli("run", config, "--until", "tokenize", "--store", str(tmp_path / "store"), check=True)  # repairs it
+    report = json.loads(cli("status", "--config", config, "--store", str(tmp_path / "store"), "--json",
+                            check=True).stdout.strip().splitlines()[-1])  # fmt: skip
+    assert {(r["stage"], r["where"]): r for r in report["stages"]}[("tokenize", "store")]["verified"]
