@@ -93,3 +93,23 @@ def test_status_reports_what_it_checks_now(cli, tmp_path, tiny_model_dir):
     report = json.loads(cli("status", "--config", config, "--store", str(tmp_path / "store"), "--json",
                             check=True).stdout.strip().splitlines()[-1])  # fmt: skip
     assert {(r["stage"], r["where"]): r for r in report["stages"]}[("tokenize", "store")]["verified"]
+
+
+@pytest.mark.parametrize("name", ["demo.yaml", "qwen3-8b.yaml", "qwen3.6-27b.yaml"])
+def test_example_configs_pass_dry_run(cli, name):
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parent.parent / "examples" / name
+    plan = cli("run", str(path), "--dry-run", check=True)
+    for stage in ("generate", "tokenize", "train", "eval"):
+        assert f"{stage}:" in plan.stdout
+
+
+def test_demo_yaml_matches_what_demo_runs():
+    from pathlib import Path
+
+    from flashdraft.config import load_config
+    from flashdraft.demo import demo_config
+
+    example = load_config(Path(__file__).resolve().parent.parent / "examples" / "demo.yaml")
+    assert example == demo_config(Path("flashdraft-work"))
