@@ -267,6 +267,22 @@ def manifest_digest(root: str | Path) -> str:
     return hashlib.sha256((Path(root) / MANIFEST).read_bytes()).hexdigest()
 
 
+def content_digest(path: str | Path) -> str:
+    """A stage input by content: its manifest digest if it is an artifact, else the hash of its file(s)."""
+    path = Path(path)
+    if path.is_dir():
+        if (path / MANIFEST).is_file():
+            return manifest_digest(path)
+        return sha256_json([[rel, sha256_file(path / rel)] for rel in list_data_files(path)])
+    return sha256_file(path)
+
+
+def identity(ref: str | Path) -> str:
+    """A model or drafter in lineage: its manifest digest when it is a committed artifact, else the reference
+    itself (a hub id, or a directory not worth re-hashing on every run)."""
+    return manifest_digest(ref) if (Path(ref) / MANIFEST).is_file() else str(ref)
+
+
 # ---------------------------------------------------------------------------------------------- verify
 
 

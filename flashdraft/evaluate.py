@@ -29,12 +29,11 @@ from typing import Any
 import torch
 
 from flashdraft.artifact import (
-    MANIFEST,
     Lineage,
     atomic_write_text,
     build_manifest,
     check_done,
-    manifest_digest,
+    identity,
     read_manifest,
     sha256_json,
     write_manifest,
@@ -71,9 +70,7 @@ class SpecDecoder:
 
     def _target_pass(self, ids_BT: torch.Tensor, cache) -> tuple[torch.Tensor, torch.Tensor]:
         """Logits and watched-layer features of new tokens, extending the target's KV cache."""
-        out = self.target.model.model(input_ids=ids_BT, **{self.cache_kwarg: cache}, use_cache=True)
-        features = torch.cat([self.target._captured[i] for i in self.target.layer_ids], dim=-1)
-        self.target._captured.clear()
+        out, features = self.target.forward(ids_BT, **{self.cache_kwarg: cache}, use_cache=True)
         return self.lm_head(out.last_hidden_state), features
 
     @torch.inference_mode()
@@ -162,7 +159,7 @@ def target_only(target: Target, prompt_ids: list[int], max_new_tokens: int, look
                                 do_sample=False, **kwargs)  # fmt: skip
     seconds = time.perf_counter() - started
     handle.remove()
-    target._captured.clear()
+    target.discard_features()
     return out[0, len(prompt_ids) :].tolist(), seconds, calls[0]
 
 
@@ -186,8 +183,9 @@ def run(
     if not (drafter_dir / "config.json").is_file():
         raise FileNotFoundError(f"{drafter_dir} holds no drafter (config.json): run `flashdraft train` first")
     target_path = resolve_model(target_ref or cfg.target, log=log)
-    drafter_identity = manifest_digest(drafter_dir) if (drafter_dir / MANIFEST).is_file() else str(drafter_dir)
-    lineage = Lineage(inputs=[drafter_identity], config=sha256_json({"eval": cfg.model_dump(), "target": target_path}))
+    lineage = Lineage(
+        inputs=[identity(drafter_dir)], config=sha256_json({"eval": cfg.model_dump(), "target": target_path})
+    )
     decision = check_done(out, lineage)
     log(decision.line("eval", out))
     if decision.done:

@@ -15,12 +15,12 @@ A rerun skips committed batches, so after a crash at any moment it ends with exa
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
 from flashdraft.artifact import (
     MANIFEST,
@@ -30,17 +30,17 @@ from flashdraft.artifact import (
     atomic_write_text,
     build_manifest,
     check_done,
+    content_digest,
     digest_file,
     list_data_files,
-    manifest_digest,
     read_manifest,
-    sha256_file,
     sha256_json,
     verify_dir,
     write_manifest,
 )
 from flashdraft.backends import Completion, make_backend
 from flashdraft.config import GenerateConfig
+from flashdraft.progress import progress
 from flashdraft.prompts import BUILTIN, Prompt, builtin_prompts, in_shard, load_prompts
 
 CLAIM = ".flashdraft-generate.json"  # in-progress marker: which lineage the partial batches belong to
@@ -62,12 +62,7 @@ def source_digest(source: str) -> str:
     """What the prompts are, by content: lineage input of the completions artifact."""
     if source.startswith(BUILTIN):
         return sha256_json(builtin_prompts(source[len(BUILTIN) :]))
-    path = Path(source)
-    if path.is_dir():
-        if (path / MANIFEST).is_file():
-            return manifest_digest(path)
-        return sha256_json([[rel, sha256_file(path / rel)] for rel in list_data_files(path)])
-    return sha256_file(path)
+    return content_digest(source)
 
 
 def lineage_for(cfg: GenerateConfig) -> Lineage:
@@ -155,7 +150,8 @@ def run(
 
     if pending:
         backend = make_backend(cfg, log)
-        with _progress(console, sum(len(batches[k]) for k in pending)) as advance:
+        total, tokens, started = sum(len(batches[k]) for k in pending), 0, time.perf_counter()
+        with progress(console, "generate {task.fields[tps]} tok/s", total=total, tps="–") as update:
             for k in pending:
                 completions = backend.complete(batches[k], seed=cfg.seed + k)
                 ok = [(p, c) for p, c in zip(batches[k], completions, strict=True) if c.error is None]
@@ -166,7 +162,8 @@ def run(
                 atomic_write_text(out / batch_name(k), jsonl([to_record(p, c, backend.model_name, cfg) for p, c in ok]))
                 if store is not None:
                     _upload_now(store, out, [batch_name(k)] + ([errors_name(k)] if failed else []))
-                advance(len(batches[k]), sum(c.completion_tokens for _, c in ok))
+                tokens += sum(c.completion_tokens for _, c in ok)
+                update(advance=len(batches[k]), tps=f"{tokens / (time.perf_counter() - started):,.0f}")
 
     stats = _finalize(out, len(batches), prompt_set, lineage, cfg)
     log(
@@ -222,37 +219,3 @@ def _upload_now(store, out: Path, names: list[str]) -> None:
         digest = digest_file(out / name)
         entry = FileEntry(path=name, size=(out / name).stat().st_size, sha256=digest.sha256, crc64nvme=digest.crc64nvme)
         store.upload(out / name, entry, lambda n: None)
-
-
-class _progress:
-    """Completions done / total, completion tokens per second, ETA (on a terminal)."""
-
-    def __init__(self, console: Console | None, total: int) -> None:
-        self.console, self.total, self.tokens = console, total, 0
-        self.bar: Progress | None = None
-
-    def __enter__(self) -> Callable[[int, int], None]:
-        if self.console is not None:
-            self.bar = Progress(
-                TextColumn("generate"),
-                BarColumn(),
-                MofNCompleteColumn(),
-                TextColumn("{task.fields[tps]} tok/s"),
-                TimeRemainingColumn(),
-                console=self.console,
-                disable=not self.console.is_terminal,
-            )
-            self.bar.__enter__()
-            self.task = self.bar.add_task("generate", total=self.total, tps="–")
-        return self.advance
-
-    def advance(self, completions: int, tokens: int) -> None:
-        self.tokens += tokens
-        if self.bar is not None:
-            self.bar.advance(self.task, completions)
-            elapsed = self.bar.tasks[0].elapsed or 1e-9
-            self.bar.update(self.task, tps=f"{self.tokens / elapsed:,.0f}")
-
-    def __exit__(self, *exc: object) -> None:
-        if self.bar is not None:
-            self.bar.__exit__(*exc)

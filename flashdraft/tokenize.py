@@ -34,14 +34,15 @@ from flashdraft.artifact import (
     atomic_write_text,
     build_manifest,
     check_done,
+    content_digest,
+    identity,
     list_data_files,
-    manifest_digest,
     read_manifest,
-    sha256_file,
     sha256_json,
     write_manifest,
 )
 from flashdraft.config import TokenizeConfig
+from flashdraft.progress import progress
 from flashdraft.prompts import ROLES, prompt_id
 
 CHUNK = 128  # records per unit of work sent to a worker
@@ -414,14 +415,6 @@ class ShardWriter:
 # ---------------------------------------------------------------------------------------------- stage
 
 
-def input_digest(source: Path) -> str:
-    if source.is_dir() and (source / MANIFEST).is_file():
-        return manifest_digest(source)
-    if source.is_dir():
-        return sha256_json([[rel, sha256_file(source / rel)] for rel in list_data_files(source)])
-    return sha256_file(source)
-
-
 def _chunks(records: Iterator, size: int) -> Iterator[list]:
     chunk = []
     for item in records:
@@ -448,12 +441,9 @@ def run(
     if not source.exists():
         raise FileNotFoundError(f"input not found: {source}")
     tokenizer_path = resolve_model(cfg.tokenizer, log=log)
-    tokenizer_identity = (
-        manifest_digest(tokenizer_path) if (Path(tokenizer_path) / MANIFEST).is_file() else cfg.tokenizer
-    )
     lineage = Lineage(
-        inputs=[input_digest(source)],
-        config=sha256_json({"tokenize": cfg.model_dump(exclude={"workers"}), "tokenizer": tokenizer_identity}),
+        inputs=[content_digest(source)],
+        config=sha256_json({"tokenize": cfg.model_dump(exclude={"workers"}), "tokenizer": identity(tokenizer_path)}),
     )
     decision = check_done(out, lineage)
     log(decision.line("tokenize", out))
@@ -466,9 +456,11 @@ def run(
     writer = ShardWriter(out, cfg.rows_per_shard)
     totals = ChunkResult()
     lengths: list[int] = []
+    seen_tokens = 0
     loss_tokens = anchor_valid = 0
     init = (tokenizer_path, cfg, from_generate)
-    with _progress(console) as advance:
+    text = "tokenize {task.completed:,} records, {task.fields[tokens]:,} tokens"
+    with progress(console, text, tokens=0) as update:
         if workers == 1:
             _init_worker(*init)
             results = map(process_chunk, _chunks(records, CHUNK))
@@ -486,7 +478,8 @@ def run(
                     lengths.append(len(ids))
                     loss_tokens += int(mask.sum())
                     anchor_valid += longest_run(mask) >= cfg.block_size
-                advance(len(chunk.rows) + len(chunk.rejected), sum(len(ids) for _, ids, _ in chunk.rows))
+                seen_tokens += sum(len(ids) for _, ids, _ in chunk.rows)
+                update(advance=len(chunk.rows) + len(chunk.rejected), tokens=seen_tokens)
         finally:
             if pool is not None:
                 pool.close()
@@ -547,37 +540,6 @@ def _clear_output(out: Path) -> None:
     (out / MANIFEST).unlink(missing_ok=True)
     for rel in list_data_files(out):
         (out / rel).unlink()
-
-
-class _progress:
-    def __init__(self, console) -> None:
-        self.console = console
-        self.bar = None
-
-    def __enter__(self) -> Callable[[int, int], None]:
-        from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
-
-        if self.console is not None:
-            self.bar = Progress(
-                SpinnerColumn(),
-                TextColumn("tokenize {task.completed:,} records, {task.fields[tokens]:,} tokens"),
-                TimeElapsedColumn(),
-                console=self.console,
-                disable=not self.console.is_terminal,
-            )
-            self.bar.__enter__()
-            self.task = self.bar.add_task("tokenize", total=None, tokens=0)
-        self.tokens = 0
-        return self.advance
-
-    def advance(self, records: int, tokens: int) -> None:
-        self.tokens += tokens
-        if self.bar is not None:
-            self.bar.update(self.task, advance=records, tokens=self.tokens)
-
-    def __exit__(self, *exc: object) -> None:
-        if self.bar is not None:
-            self.bar.__exit__(*exc)
 
 
 # ---------------------------------------------------------------------------------------------- inspect

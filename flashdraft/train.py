@@ -36,6 +36,7 @@ from flashdraft.artifact import (
     atomic_write_text,
     build_manifest,
     check_done,
+    identity,
     manifest_digest,
     read_manifest,
     sha256_json,
@@ -53,6 +54,7 @@ from flashdraft.blocks import (
 from flashdraft.config import TrainConfig
 from flashdraft.drafter import DFlashDrafter, draft_config
 from flashdraft.export import save_drafter
+from flashdraft.progress import progress
 
 
 class BadTrainingInput(ValueError):
@@ -94,13 +96,21 @@ class Target:
 
         return hook
 
-    @torch.no_grad()
-    def features(self, input_ids_BT: torch.Tensor) -> torch.Tensor:
-        """Concatenated outputs of the watched layers (B, T, n·D); the LM head is not run."""
-        self.model.model(input_ids=input_ids_BT.to(self.model.device))
+    def forward(self, input_ids_BT: torch.Tensor, **kwargs):
+        """The base model (no LM head) over tokens, with any cache kwargs: (its output, the watched layers'
+        outputs concatenated, B × T × n·D)."""
+        output = self.model.model(input_ids=input_ids_BT.to(self.model.device), **kwargs)
         features = torch.cat([self._captured[i] for i in self.layer_ids], dim=-1)
         self._captured.clear()
-        return features
+        return output, features
+
+    @torch.no_grad()
+    def features(self, input_ids_BT: torch.Tensor) -> torch.Tensor:
+        return self.forward(input_ids_BT)[1]
+
+    def discard_features(self) -> None:
+        """Forget what the hooks captured during a pass whose features are not needed (e.g. `generate`)."""
+        self._captured.clear()
 
 
 def _memory_map(devices: str) -> dict:
@@ -289,7 +299,7 @@ def run(
             {
                 "train": cfg.model_dump(exclude={"device", "target_device"}),
                 "world": world,
-                "target": _identity(target_path),
+                "target": identity(target_path),
             }
         ),  # fmt: skip
     )
@@ -340,7 +350,9 @@ def run(
 
     model.train()
     started, last = time.perf_counter(), {}
-    with _progress(console if rank == 0 else None, total_steps, step) as advance:
+    text = "train loss {task.fields[loss]} τ≈{task.fields[tau]} {task.fields[tps]} tok/s"
+    shown = console if rank == 0 else None
+    with progress(shown, text, total=total_steps, completed=step, loss="–", tau="–", tps="–") as update:
         while step < total_steps:
             epoch, first_batch = position["epoch"], position["batch"]
             order = torch.randperm(n_train, generator=torch.Generator().manual_seed(cfg.seed + epoch)).tolist()
@@ -380,7 +392,8 @@ def run(
                 }  # fmt: skip
                 if rank == 0:
                     _append(metrics_path, last)
-                advance(last)
+                update(advance=1, loss=f"{last['loss']:.3f}", tau=f"{last['simulated_acceptance_length']:.2f}",
+                       tps=f"{last['tokens_per_s']:,.0f}")  # fmt: skip
                 if step % cfg.checkpoint_every == 0 or b + 1 == steps_per_epoch or step == total_steps:
                     if b + 1 == steps_per_epoch:
                         position = {"step": step, "epoch": epoch + 1, "batch": 0}
@@ -438,10 +451,6 @@ def _json_rates(rates: list[float]) -> list[float | None]:
     return [None if math.isnan(x) else round(x, 4) for x in rates]
 
 
-def _identity(path: str) -> str:
-    return manifest_digest(path) if (Path(path) / MANIFEST).is_file() else path
-
-
 def _barrier(world: int) -> None:
     if world > 1:
         torch.distributed.barrier()
@@ -459,29 +468,3 @@ def _truncate_metrics(path: Path, step: int) -> None:
         return
     keep = [line for line in path.read_text().splitlines() if json.loads(line)["step"] <= step]
     atomic_write_text(path, "".join(line + "\n" for line in keep))
-
-
-class _progress:
-    def __init__(self, console, total: int, done: int) -> None:
-        self.console, self.total, self.done, self.bar = console, total, done, None
-
-    def __enter__(self):
-        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
-
-        if self.console is not None:
-            self.bar = Progress(TextColumn("train"), BarColumn(), MofNCompleteColumn(),
-                                TextColumn("loss {task.fields[loss]} τ≈{task.fields[tau]} {task.fields[tps]} tok/s"),
-                                TimeRemainingColumn(), console=self.console,
-                                disable=not self.console.is_terminal)  # fmt: skip
-            self.bar.__enter__()
-            self.task = self.bar.add_task("train", total=self.total, completed=self.done, loss="–", tau="–", tps="–")
-        return self.advance
-
-    def advance(self, metrics: dict) -> None:
-        if self.bar is not None:
-            tau, tps = metrics["simulated_acceptance_length"], metrics["tokens_per_s"]
-            self.bar.update(self.task, advance=1, loss=f"{metrics['loss']:.3f}", tau=f"{tau:.2f}", tps=f"{tps:,.0f}")
-
-    def __exit__(self, *exc) -> None:
-        if self.bar is not None:
-            self.bar.__exit__(*exc)

@@ -31,7 +31,7 @@ def new_drafter(target: Target, block_size: int = 8, seed: int = 0) -> DFlashDra
 
 def greedy(target: Target, prompt: list[int], n: int) -> list[int]:
     out = target.model.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False)
-    target._captured.clear()
+    target.discard_features()
     return out[0, len(prompt) :].tolist()
 
 
@@ -89,7 +89,7 @@ def reference_decode(target: Target, drafter: DFlashDrafter, prompt: list[int], 
                                                                                   anchor_pos)[None])  # fmt: skip
             drafts = head(hidden[0, 1:]).argmax(-1)
             full = target.model(torch.tensor([seq + drafts.tolist()])).logits[0, anchor_pos:]
-            target._captured.clear()
+            target.discard_features()
             predicted = full.argmax(-1)
             n = int((drafts == predicted[:-1]).int().cumprod(0).sum())
             tokens += drafts[:n].tolist() + [int(predicted[n])]
@@ -125,7 +125,7 @@ def test_sampling_keeps_the_target_distribution(tmp_path):
         second = torch.zeros(vocab)
         for t0 in range(vocab):
             second += p0[t0] * torch.softmax(model(torch.tensor([prompt + [t0]])).logits[0, -1], -1)
-    target._captured.clear()
+    target.discard_features()
 
     generator = torch.Generator().manual_seed(1)
     n = 2500
