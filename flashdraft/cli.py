@@ -49,10 +49,6 @@ def _load(config: Path | None, overrides: dict[str, Any]):
         fail(str(e))
 
 
-def not_implemented(command: str) -> NoReturn:
-    fail(f"`flashdraft {command}` is not implemented yet", code=2)
-
-
 def emit_json(obj: dict[str, Any]) -> None:
     print(json.dumps(obj, sort_keys=True))
 
@@ -171,19 +167,29 @@ def train(
     resume: Annotated[
         bool, typer.Option(help="Require a checkpoint to resume from (a rerun into the same --out always resumes).")
     ] = False,
+    push_to: Annotated[
+        str | None, typer.Option(help="Local dir or s3:// URL: each checkpoint and the drafter pushed, verified.")
+    ] = None,
+    features: Annotated[
+        str | None,
+        typer.Option(help="online: target runs in each step; offline: its features are cached once (small runs)."),
+    ] = None,
     config: ConfigFlag = None,
     json_out: JsonFlag = False,
 ) -> None:
     """Train the DFlash block-diffusion drafter on the target's hidden states (torchrun for DDP)."""
     from flashdraft import train as stage
+    from flashdraft.store import StoreError
+    from flashdraft.sync import VerifyFailed
 
-    overrides = {"train.target": target, "train.max_steps": max_steps, "train.epochs": epochs}
+    overrides = {"train.target": target, "train.max_steps": max_steps, "train.epochs": epochs,
+                 "train.push_to": push_to, "train.features": features}  # fmt: skip
     cfg = _load(config, overrides)
     data = data or Path(cfg.workdir) / "tokenize"
     out = out or Path(cfg.workdir) / "train"
     try:
         stats = stage.run(cfg.train, data, out, require_checkpoint=resume, console=err_console, log=console.print)
-    except (stage.BadTrainingInput, FileNotFoundError) as e:
+    except (stage.BadTrainingInput, FileNotFoundError, StoreError, VerifyFailed) as e:
         fail(str(e))
     if json_out and stats:
         emit_json({"path": str(out / "drafter"), **stats})
@@ -428,6 +434,29 @@ def demo(
 
 
 @app.command()
-def estimate(config_file: Annotated[Path, typer.Argument(metavar="CONFIG.yaml", help="Pipeline config.")]) -> None:
+def estimate(
+    config_file: Annotated[Path, typer.Argument(metavar="CONFIG.yaml", help="Pipeline config.")],
+    num_prompts: Annotated[
+        int | None, typer.Option(help="Prompt count, when the prompt file is not on this machine.")
+    ] = None,
+    target_config: Annotated[
+        Path | None, typer.Option(help="The target's config.json, when the model is not on this machine.")
+    ] = None,
+    tokens_per_s: Annotated[
+        float | None, typer.Option(help="Total generation rate to plan with (default: per backend, stated).")
+    ] = None,
+    json_out: JsonFlag = False,
+) -> None:
     """Tokens, disk and hours the pipeline will need, before anything runs."""
-    not_implemented("estimate")
+    from flashdraft.estimate import EstimateError, describe
+    from flashdraft.estimate import estimate as compute
+
+    cfg = _load(config_file, {})
+    try:
+        est = compute(cfg, num_prompts=num_prompts, target_config=target_config, tokens_per_s=tokens_per_s)
+    except EstimateError as e:
+        fail(str(e))
+    for line in describe(est, cfg):
+        console.print(escape(line))
+    if json_out:
+        emit_json(est)

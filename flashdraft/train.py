@@ -232,6 +232,54 @@ def save_checkpoint(out: Path, step: int, model, optimizer, scheduler, position:
     return final
 
 
+def prune_checkpoints(out: Path, keep: int) -> list[str]:
+    """Delete all but the newest `keep` checkpoints (complete or not): disk stays bounded on long runs."""
+    removed = []
+    for path in checkpoint_dirs(out)[max(1, keep) :]:
+        shutil.rmtree(path, ignore_errors=True)
+        removed.append(path.name)
+    return removed
+
+
+class CheckpointShipper:
+    """Pushes each checkpoint to `train.push_to` (verified there) and prunes old local ones, in one
+    background thread so training does not wait on the network. FIFO: a checkpoint is pruned only after
+    every push queued before it has finished."""
+
+    def __init__(self, out: Path, cfg: TrainConfig, log: Callable[[str], None]) -> None:
+        from concurrent.futures import ThreadPoolExecutor
+
+        self.out, self.cfg, self.log = out, cfg, log
+        self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint-push")
+        self.pending: list = []
+
+    def _push(self, local: Path, name: str) -> None:
+        from flashdraft.store import open_store
+        from flashdraft.sync import push
+
+        self.log(push(local, open_store(f"{self.cfg.push_to.rstrip('/')}/{name}"), log=self.log).line())
+
+    def checkpoint(self, path: Path) -> None:
+        def ship() -> None:
+            if self.cfg.push_to:
+                self._push(path, f"checkpoints/{path.name}")
+            prune_checkpoints(self.out, self.cfg.keep_checkpoints)
+
+        self.pending.append(self.pool.submit(ship))
+
+    def drafter(self, path: Path) -> None:
+        if self.cfg.push_to:
+            self.pending.append(self.pool.submit(self._push, path, "drafter"))
+
+    def wait(self) -> None:
+        """Block until every push is done; the first failure (e.g. VerifyFailed) is raised here."""
+        try:
+            for future in self.pending:
+                future.result()
+        finally:
+            self.pool.shutdown(wait=True)
+
+
 def latest_checkpoint(out: Path, lineage: Lineage, log: Callable[[str], None]) -> Path | None:
     for path in checkpoint_dirs(out):
         problems = verify_dir(path)
@@ -297,7 +345,7 @@ def run(
         inputs=[manifest_digest(data)],
         config=sha256_json(
             {
-                "train": cfg.model_dump(exclude={"device", "target_device"}),
+                "train": cfg.model_dump(exclude={"device", "target_device", "push_to", "keep_checkpoints"}),
                 "world": world,
                 "target": identity(target_path),
             }
@@ -306,6 +354,10 @@ def run(
     decision = check_done(out / "drafter", lineage)
     say(decision.line("train", out / "drafter"))
     if decision.done:
+        if cfg.push_to and rank == 0:  # done here; make sure the store holds it too (a no-op when it does)
+            shipper = CheckpointShipper(out, cfg, say)
+            shipper.drafter(out / "drafter")
+            shipper.wait()
         return read_manifest(out / "drafter").stats
     if require_checkpoint and latest_checkpoint(out, lineage, say) is None:
         raise BadTrainingInput(f"--resume: {out} has no complete checkpoint of this run to resume from")
@@ -348,6 +400,7 @@ def run(
         f"drafter {sum(p.numel() for p in drafter.parameters()) / 1e6:.1f}M params, "
         f"mask token {drafter.mask_token_id}, target layers {drafter.target_layer_ids}")  # fmt: skip
 
+    shipper = CheckpointShipper(out, cfg, say)
     model.train()
     started, last = time.perf_counter(), {}
     text = "train loss {task.fields[loss]} τ≈{task.fields[tau]} {task.fields[tps]} tok/s"
@@ -401,13 +454,14 @@ def run(
                     held = evaluate_heldout(model, target, dataset, range(n_train, len(dataset)), cfg, device)
                     if rank == 0:
                         _append(metrics_path, {"step": step, "heldout": held})
-                        save_checkpoint(out, step, model, optimizer, scheduler, position, lineage)
+                        shipper.checkpoint(save_checkpoint(out, step, model, optimizer, scheduler, position, lineage))
                     _barrier(world)
             else:
                 position = {"step": step, "epoch": epoch + 1, "batch": 0}
 
     held = evaluate_heldout(model, target, dataset, range(n_train, len(dataset)), cfg, device)
     if rank != 0:
+        shipper.wait()
         _barrier(world)
         return {}
     stats = {
@@ -419,7 +473,8 @@ def run(
         "seconds": round(time.perf_counter() - started, 1),
         "world_size": world,
     }
-    save_drafter(drafter, out / "drafter", stats=stats, lineage=lineage)
+    shipper.drafter(save_drafter(drafter, out / "drafter", stats=stats, lineage=lineage))
+    shipper.wait()
     say(f"train: done, verified — {out / 'drafter'}: {step} steps, held-out simulated τ "
         f"{held.get('simulated_acceptance_length', math.nan):.2f}")  # fmt: skip
     _barrier(world)

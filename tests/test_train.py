@@ -184,7 +184,7 @@ def test_overfit_one_sequence_reproduces_it_at_block_positions(tiny_target, tmp_
 
 def test_training_run_checkpoints_exports_and_reruns_as_done(tiny_target, tiny_dataset, tmp_path):
     out = tmp_path / "out"
-    stats = run(tiny_cfg(tiny_target, epochs=2), tiny_dataset, out, log=quiet)
+    stats = run(tiny_cfg(tiny_target, epochs=2, keep_checkpoints=10), tiny_dataset, out, log=quiet)
     assert stats["steps"] == 10  # (12 − 2 held out) / batch 2 × 2 epochs
     assert verify_dir(out / "drafter") == []
     assert [p.name for p in sorted((out / "checkpoints").iterdir())] == [
@@ -195,8 +195,30 @@ def test_training_run_checkpoints_exports_and_reruns_as_done(tiny_target, tiny_d
     assert [m["step"] for m in steps] == list(range(1, 11)) and all(len(m["accuracy_by_position"]) == 7 for m in steps)
     assert any("heldout" in m for m in metrics)
     lines = []
-    run(tiny_cfg(tiny_target, epochs=2), tiny_dataset, out, log=lines.append)
+    run(tiny_cfg(tiny_target, epochs=2, keep_checkpoints=4), tiny_dataset, out, log=lines.append)
+    assert "already done, verified" in lines[0]  # where checkpoints are kept is not part of what is trained
+
+
+def test_checkpoints_are_pushed_verified_and_old_ones_pruned(tiny_target, tiny_dataset, tmp_path, s3env):
+    import uuid
+
+    from flashdraft.store import open_store
+    from flashdraft.sync import verify_store
+
+    url = f"s3://flashdraft/t-{uuid.uuid4().hex[:10]}/train"
+    out, lines = tmp_path / "out", []
+    run(tiny_cfg(tiny_target, epochs=2, keep_checkpoints=2, push_to=url), tiny_dataset, out, log=lines.append)
+    assert [p.name for p in sorted((out / "checkpoints").iterdir())] == ["step-0000008", "step-0000010"]
+    for name in ("checkpoints/step-0000002", "checkpoints/step-0000005", "checkpoints/step-0000010", "drafter"):
+        assert verify_store(open_store(f"{url}/{name}")) == [], name
+    assert sum(line.startswith("push:") and "verified" in line for line in lines) == 7  # 6 checkpoints + the drafter
+    assert lines[-1].startswith("train: done, verified")  # said only after every push verified
+
+    s3env.client().delete_object(Bucket="flashdraft", Key=url[len("s3://flashdraft/"):] + "/drafter/model.safetensors")
+    lines.clear()
+    run(tiny_cfg(tiny_target, epochs=2, keep_checkpoints=2, push_to=url), tiny_dataset, out, log=lines.append)
     assert "already done, verified" in lines[0]
+    assert verify_store(open_store(f"{url}/drafter")) == []  # the rerun put the missing object back
 
 
 def test_export_round_trip(tiny_target, tmp_path):

@@ -1,0 +1,198 @@
+"""estimate: what a pipeline config will cost — tokens, disk, hours — before anything runs.
+
+    flashdraft estimate examples/qwen3-8b.yaml [--num-prompts 800000] [--target-config config.json]
+
+Counts the prompts (or takes `--num-prompts` when the prompt file lives elsewhere), measures their length
+with the tokenizer when it is on this machine (else ≈ 4 characters per token, and says so), and reads the
+target's shape from its config (local, the HF cache, or `--target-config`). Completion lengths are taken at
+their bound (`max_new_tokens`): disk is planned for the worst case, and reasoning runs often come close.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from flashdraft.config import EMBEDDED_TARGET, PipelineConfig
+from flashdraft.drafter import uniform_layer_ids
+
+CHARS_PER_TOKEN = 4.0  # fallback when the tokenizer is not on this machine
+TEMPLATE_TOKENS_PER_MESSAGE = 5  # chat-template scaffolding (role header, end-of-turn) per message
+JSON_BYTES_PER_TOKEN_ID = 7  # "123456, " in a completion record's token_ids list
+RECORD_OVERHEAD_BYTES = 400  # ids, finish reason, sampling settings of one completion record
+# Generation rates assumed when none is stated: the hf backend on the embedded target on a CPU machine
+# (measured, benchmarks/RESULTS.md), and a typical vLLM/SGLang endpoint serving an 8B-class model on one GPU.
+DEFAULT_TOKENS_PER_S = {"hf": 100.0, "openai": 2000.0, "vllm": 2000.0}
+CHECKPOINT_BYTES_PER_PARAM = 12  # fp32 weights + AdamW's two fp32 moments
+FEATURE_BYTES = 2  # bf16 features, as DESIGN §2 counts the offline cache
+
+
+class EstimateError(ValueError):
+    """Something the estimate needs is not available here; the message says what to pass."""
+
+
+@dataclass(frozen=True)
+class TargetShape:
+    layers: int
+    hidden: int
+    intermediate: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    vocab: int
+    source: str
+
+    @classmethod
+    def from_config(cls, c, source: str) -> TargetShape:
+        c = getattr(c, "text_config", None) or c  # multimodal configs keep the LM under text_config
+        get = c.get if isinstance(c, dict) else (lambda k, d=None: getattr(c, k, d))
+        heads = get("num_attention_heads")
+        return cls(
+            layers=get("num_hidden_layers"),
+            hidden=get("hidden_size"),
+            intermediate=get("intermediate_size"),
+            heads=heads,
+            kv_heads=get("num_key_value_heads") or heads,
+            head_dim=get("head_dim") or get("hidden_size") // heads,
+            vocab=get("vocab_size"),
+            source=source,
+        )
+
+
+def target_shape(ref: str, config_file: Path | None = None) -> TargetShape:
+    if config_file is not None:
+        raw = json.loads(Path(config_file).read_text())
+        return TargetShape.from_config(raw.get("text_config", raw), str(config_file))
+    from transformers import AutoConfig
+
+    path = _local_ref(ref)
+    try:
+        return TargetShape.from_config(AutoConfig.from_pretrained(path, local_files_only=True), path)
+    except (OSError, ValueError) as e:
+        raise EstimateError(
+            f"the target's config ({ref}) is not on this machine ({type(e).__name__}); pass "
+            "--target-config PATH/config.json (the model's config.json from the hub)"
+        ) from None
+
+
+def _local_ref(ref: str) -> str:
+    if ref == EMBEDDED_TARGET:
+        from flashdraft.models import resolve_model
+
+        return resolve_model(ref, log=lambda s: None)
+    return ref
+
+
+def prompt_lengths(source: str, tokenizer_ref: str, sample: int = 2000) -> tuple[int, float, str]:
+    """(prompts after dedupe, mean prompt tokens, how that mean was measured)."""
+    from flashdraft.prompts import load_prompts
+
+    try:
+        prompts = load_prompts(source).prompts
+    except (OSError, ValueError) as e:
+        raise EstimateError(f"cannot read the prompts ({source}): {e}; pass --num-prompts N") from None
+    if not prompts:
+        raise EstimateError(f"no usable prompts in {source}")
+    picked = prompts[:: max(1, len(prompts) // sample)][:sample]
+    texts = ["".join(m["content"] for m in p.messages) for p in picked]
+    overhead = sum(len(p.messages) for p in picked) * TEMPLATE_TOKENS_PER_MESSAGE
+    try:
+        from transformers import AutoTokenizer
+
+        tok = AutoTokenizer.from_pretrained(_local_ref(tokenizer_ref), local_files_only=True)
+        tokens = sum(len(ids) for ids in tok(texts, add_special_tokens=False)["input_ids"])
+        how = f"tokenized {len(picked)} prompts"
+    except (OSError, ValueError):
+        tokens = sum(len(t) for t in texts) / CHARS_PER_TOKEN
+        how = f"≈ {CHARS_PER_TOKEN:g} characters per token (tokenizer not on this machine)"
+    return len(prompts), (tokens + overhead) / len(picked), how
+
+
+def drafter_params(shape: TargetShape, num_layers: int, n_features: int) -> int:
+    """Trainable parameters: the draft layers (target-shaped, Qwen3 attention), `fc` and the norms."""
+    attn = shape.hidden * shape.head_dim * (2 * shape.heads + 2 * shape.kv_heads) + 2 * shape.head_dim
+    mlp = 3 * shape.hidden * shape.intermediate
+    layer = attn + mlp + 2 * shape.hidden
+    return num_layers * layer + n_features * shape.hidden * shape.hidden + 2 * shape.hidden
+
+
+def estimate(
+    cfg: PipelineConfig,
+    *,
+    num_prompts: int | None = None,
+    target_config: Path | None = None,
+    tokens_per_s: float | None = None,
+) -> dict[str, Any]:
+    g, t, tr = cfg.generate, cfg.tokenize, cfg.train
+    if num_prompts is None:
+        count, prompt_tokens, how = prompt_lengths(g.prompts, t.tokenizer)
+    else:
+        count, prompt_tokens, how = num_prompts, 200.0, "assumed 200 tokens per prompt (--num-prompts given)"
+    if g.max_prompts is not None:
+        count = min(count, g.max_prompts * g.num_shards)
+    shape = target_shape(tr.target, target_config)
+
+    completion_tokens = count * g.max_new_tokens
+    per_sample = min(prompt_tokens + g.max_new_tokens, t.max_length)
+    dataset_tokens = int(count * per_sample)
+    layer_ids = tr.target_layer_ids or uniform_layer_ids(shape.layers, tr.num_layers)
+    params = drafter_params(shape, tr.num_layers, len(layer_ids))
+    steps = math.ceil(count / tr.batch_size) * tr.epochs
+    rate = tokens_per_s or DEFAULT_TOKENS_PER_S[g.backend] * max(1, len(g.base_urls))
+    return {
+        "prompts": count,
+        "prompt_tokens_mean": round(prompt_tokens, 1),
+        "prompt_tokens_measured": how,
+        "completion_tokens_max": completion_tokens,
+        "generation_hours": round(completion_tokens / rate / 3600, 2),
+        "generation_tokens_per_s": rate,
+        "completions_bytes": int(count * (RECORD_OVERHEAD_BYTES + prompt_tokens * CHARS_PER_TOKEN)
+                                 + completion_tokens * (CHARS_PER_TOKEN + JSON_BYTES_PER_TOKEN_ID)),  # fmt: skip
+        "dataset_tokens": dataset_tokens,
+        "dataset_bytes": dataset_tokens * 5 + count * 16,  # int32 ids + uint8 mask + list offsets
+        "offline_features_bytes": dataset_tokens * len(layer_ids) * shape.hidden * FEATURE_BYTES,
+        "drafter_params": params,
+        "checkpoint_bytes": params * CHECKPOINT_BYTES_PER_PARAM,
+        "checkpoints_kept": tr.keep_checkpoints,
+        "checkpoints_bytes": params * CHECKPOINT_BYTES_PER_PARAM * tr.keep_checkpoints,
+        "drafter_bytes": params * 4,
+        "train_steps_one_process": steps,
+        "target": {"layers": shape.layers, "hidden": shape.hidden, "vocab": shape.vocab, "from": shape.source},
+        "target_layer_ids": layer_ids,
+    }
+
+
+def human_bytes(n: float) -> str:
+    for unit in ("B", "KB", "MB", "GB", "TB", "PB"):
+        if n < 1000 or unit == "PB":
+            return f"{n:,.0f} {unit}" if unit == "B" else f"{n:,.1f} {unit}"
+        n /= 1000
+    raise AssertionError("unreachable")
+
+
+def describe(est: dict[str, Any], cfg: PipelineConfig) -> list[str]:
+    """The estimate as lines a person reads before committing machines to it."""
+    b = human_bytes
+    features = "offline" if cfg.train.features == "offline" else "online (cache not written; size if it were)"
+    return [
+        f"prompts: {est['prompts']:,} (mean {est['prompt_tokens_mean']:,.0f} prompt tokens; "
+        f"{est['prompt_tokens_measured']})",
+        f"generate: up to {est['completion_tokens_max']:,} completion tokens "
+        f"({cfg.generate.max_new_tokens:,} max new tokens each) ≈ {est['generation_hours']:,} hours at "
+        f"{est['generation_tokens_per_s']:,.0f} tokens/s in total (--tokens-per-s to change)",
+        f"disk, completions: {b(est['completions_bytes'])}",
+        f"disk, dataset: {b(est['dataset_bytes'])} ({est['dataset_tokens']:,} tokens at max length "
+        f"{cfg.tokenize.max_length:,})",
+        f"disk, target features {features}: {b(est['offline_features_bytes'])} "
+        f"(tokens × {len(est['target_layer_ids'])} layers × {est['target']['hidden']:,} × {FEATURE_BYTES} bytes)",
+        f"disk, checkpoints: {b(est['checkpoints_bytes'])} ({est['checkpoints_kept']} kept × "
+        f"{b(est['checkpoint_bytes'])}: {est['drafter_params'] / 1e6:,.1f}M drafter params with AdamW state)",
+        f"disk, exported drafter: {b(est['drafter_bytes'])}",
+        f"train: {est['train_steps_one_process']:,} optimizer steps on one process ({cfg.train.epochs} epochs, "
+        f"batch {cfg.train.batch_size}); divide by the number of torchrun processes",
+        f"target: {est['target']['layers']} layers, hidden {est['target']['hidden']:,}, vocab "
+        f"{est['target']['vocab']:,} (from {est['target']['from']}); features from layers {est['target_layer_ids']}",
+    ]
