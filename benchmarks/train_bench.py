@@ -1,11 +1,15 @@
 """train benchmark: DFlash training steps on CPU with the embedded SmolLM2 target and a demo-sized drafter.
 
     .venv/bin/python benchmarks/train_bench.py [--lengths 512,1024,2048] [--anchors 32] [--layers 2]
+                                               [--modes online-full,offline-4096]
 
-For each sequence length: tokens/s and peak RSS of full training steps (target features, drafter forward
-and backward, LM head, AdamW step), with every block of the sequence in one pass under the block mask — and
-the naive way, each block run as its own forward pass with its own context slice (same anchors, same
-math). Each variant runs in its own process, so peak RSS is its own. Results go to benchmarks/RESULTS.md.
+For each mode and sequence length: tokens/s and peak RSS of full training steps (drafter forward and
+backward, LM head, AdamW step; with `online-full` also the target's forward for the features and the full
+49,152-token LM head; with `offline-V` features from the cache and a V-token draft vocabulary), with every
+block of the sequence in one pass under the block mask — and the naive way, each block run as its own
+forward pass with its own context slice (same anchors, same math). The block layout only changes the
+drafter's share of the step, so the speedup is largest where the target and the LM head cost least. Each
+variant runs in its own process, so peak RSS is its own. Results go to benchmarks/RESULTS.md.
 """
 
 from __future__ import annotations
@@ -25,41 +29,53 @@ from record import record  # benchmarks/record.py, beside this script
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def worker(length: int, anchors: int, layers: int, naive: bool, steps: int) -> dict:
+def worker(length: int, anchors: int, layers: int, naive: bool, steps: int, mode: str) -> dict:
+    """One variant in its own process. mode: `online-full` (the target runs inside the step, full-vocabulary
+    LM head) or `offline-V` (cached target features, a V-token draft vocabulary)."""
     import torch
 
-    from flashdraft.blocks import block_attention_mask, build_blocks, weighted_loss
+    from flashdraft.blocks import block_attention_mask, build_blocks, sample_anchors, weighted_loss
     from flashdraft.config import TrainConfig
     from flashdraft.drafter import DFlashDrafter, draft_config
     from flashdraft.models import resolve_model
     from flashdraft.train import Target, sequence_step
 
     torch.manual_seed(0)
+    offline = mode.startswith("offline")
+    vocab = int(mode.split("-")[1]) if offline else None
     target = Target(resolve_model("embedded", log=lambda s: None), "cpu", lambda s: None)
-    drafter = DFlashDrafter(draft_config(target.config, num_layers=layers, block_size=16, mask_token_id=0))
+    drafter = DFlashDrafter(draft_config(target.config, num_layers=layers, block_size=16, mask_token_id=0,
+                                         draft_vocab_size=vocab))  # fmt: skip
+    if vocab:
+        drafter.set_draft_vocab(torch.randperm(target.config.vocab_size)[:vocab])
     target.watch(drafter.target_layer_ids)
     optimizer = torch.optim.AdamW(drafter.parameters(), lr=1e-4)
     ids = torch.randint(0, 49000, (length,))
     mask = torch.ones(length, dtype=torch.long)
     mask[:32] = 0
     cfg = TrainConfig(block_size=16, max_anchors=anchors, max_length=length)
-    embed, head = target.model.get_input_embeddings(), target.model.lm_head
+    embed = target.model.get_input_embeddings()
+    head = drafter.head_weight(target.model.lm_head.weight)
+    cached = target.features(ids[None])[0] if offline else None  # the offline cache, read outside the clock
 
     def one_pass():
-        sequence_step(drafter, target, ids, mask, cfg, torch.Generator().manual_seed(0), "cpu")["loss"].backward()
+        result = sequence_step(drafter, target, ids, mask, cfg, torch.Generator().manual_seed(0), "cpu", cached)
+        result["loss"].backward()
 
     def per_block():
-        from flashdraft.blocks import sample_anchors
-
         chosen = sample_anchors(mask, 16, anchors, torch.Generator().manual_seed(0))
-        features = target.features(ids[None, : int(chosen.max())])
+        features = cached[None] if offline else target.features(ids[None, : int(chosen.max())])
         for a in chosen.tolist():  # each block alone: its own context slice, its own pass
             block_ids, positions, labels, weights = build_blocks(ids, mask, torch.tensor([a]), 16, 0)
+            if vocab:  # same mapping as sequence_step
+                in_vocab = drafter.t2d[labels]
+                labels = torch.where(in_vocab, drafter.t2d.cumsum(0)[labels] - 1, 0)
+                weights = weights * in_vocab
             with torch.no_grad():
                 embeds = embed(block_ids.view(1, -1))
             hidden = drafter(embeds, features[:, :a], positions.view(1, -1), torch.arange(a)[None],
                              block_attention_mask(torch.tensor([a]), 16, a)[None])  # fmt: skip
-            loss = weighted_loss(head(hidden).view(16, -1), labels.view(-1), weights.view(-1)) / len(chosen)
+            loss = weighted_loss((hidden @ head.T).view(16, -1), labels.view(-1), weights.view(-1)) / len(chosen)
             loss.backward()
 
     step = per_block if naive else one_pass
@@ -81,39 +97,45 @@ def main() -> None:
     ap.add_argument("--anchors", type=int, default=32)
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--modes", default="online-full,offline-4096",
+                    help="online-full: target inside the step, full vocab; offline-V: cached features, V-token vocab")
     ap.add_argument("--no-record", action="store_true")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
-        length, naive = args.worker.split(":")
-        print(json.dumps(worker(int(length), args.anchors, args.layers, naive == "naive", args.steps)))
+        length, naive, mode = args.worker.split(":")
+        print(json.dumps(worker(int(length), args.anchors, args.layers, naive == "naive", args.steps, mode)))
         return
 
     rows = []
-    for length in [int(x) for x in args.lengths.split(",")]:
-        result = {}
-        for variant in ("one-pass", "naive"):
-            cmd = [sys.executable, __file__, "--worker", f"{length}:{variant}", "--anchors", str(args.anchors),
-                   "--layers", str(args.layers), "--steps", str(args.steps)]  # fmt: skip
-            proc = subprocess.run(cmd, capture_output=True, text=True, check=True, env=dict(os.environ))
-            result[variant] = json.loads(proc.stdout.strip().splitlines()[-1])
-        rows.append((length, result["one-pass"], result["naive"]))
-        print(length, result, flush=True)
+    for mode in args.modes.split(","):
+        for length in [int(x) for x in args.lengths.split(",")]:
+            result = {}
+            for variant in ("one-pass", "naive"):
+                cmd = [sys.executable, __file__, "--worker", f"{length}:{variant}:{mode}", "--anchors",
+                       str(args.anchors), "--layers", str(args.layers), "--steps", str(args.steps)]  # fmt: skip
+                proc = subprocess.run(cmd, capture_output=True, text=True, check=True, env=dict(os.environ))
+                result[variant] = json.loads(proc.stdout.strip().splitlines()[-1])
+            rows.append((mode, length, result["one-pass"], result["naive"]))
+            print(mode, length, result, flush=True)
 
     lines = [
         f"### train — {datetime.now(UTC).date()} — SmolLM2-135M target, {args.layers}-layer drafter, block 16, "
         f"{args.anchors} anchors/sequence, CPU, {os.cpu_count()} cores",
         "",
         f"Command: `.venv/bin/python benchmarks/train_bench.py --lengths {args.lengths} --anchors {args.anchors} "
-        f"--layers {args.layers} --steps {args.steps}`",
+        f"--layers {args.layers} --steps {args.steps} --modes {args.modes}`",
         "",
-        "| sequence length | one-pass tokens/s | one-pass peak RSS MB | naive per-block tokens/s | naive peak RSS MB | "
-        "one-pass speedup |",
-        "| --- | --- | --- | --- | --- | --- |",
+        "| target features, LM head | sequence length | one-pass tokens/s | one-pass peak RSS MB | "
+        "naive per-block tokens/s | naive peak RSS MB | one-pass speedup |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
     ]
-    for length, fast, naive in rows:
+    names = {"online-full": "online (target in the step), 49,152 tokens"}
+    for mode, length, fast, naive in rows:
+        name = names.get(mode, f"offline cache, {mode.split('-')[1]}-token draft vocab")
         lines.append(
-            f"| {length} | {fast['tokens_per_s']:.0f} | {fast['peak_rss_mb']:.0f} | {naive['tokens_per_s']:.0f} | "
+            f"| {name} | {length} | {fast['tokens_per_s']:.0f} | {fast['peak_rss_mb']:.0f} | "
+            f"{naive['tokens_per_s']:.0f} | "
             f"{naive['peak_rss_mb']:.0f} | {naive['seconds_per_step'] / fast['seconds_per_step']:.1f}× |"
         )
     record(lines, keep=not args.no_record)

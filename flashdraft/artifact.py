@@ -32,7 +32,7 @@ MANIFEST = "manifest.json"
 INTERNAL_PREFIX = ".flashdraft-"
 HASH_CHUNK = 8 << 20  # bytes read at a time: memory per hashing thread stays at one chunk
 
-Kind = Literal["completions", "dataset", "checkpoint", "drafter", "eval", "files", "model"]
+Kind = Literal["completions", "dataset", "checkpoint", "drafter", "eval", "files", "model", "features"]
 KINDS: tuple[str, ...] = get_args(Kind)
 
 

@@ -40,6 +40,7 @@ def draft_config(
     block_size: int,
     mask_token_id: int,
     target_layer_ids: list[int] | None = None,
+    draft_vocab_size: int | None = None,
 ) -> Qwen3Config:
     """A Qwen3-shaped config with the target's hidden size, heads, MLP, norms and RoPE."""
     t = target_config
@@ -65,6 +66,8 @@ def draft_config(
     config.block_size = block_size
     config.num_target_layers = t.num_hidden_layers
     config.dflash_config = {"mask_token_id": mask_token_id, "target_layer_ids": list(layer_ids)}
+    if draft_vocab_size:
+        config.draft_vocab_size = draft_vocab_size
     return config
 
 
@@ -154,6 +157,40 @@ class DFlashDrafter(nn.Module):
         self.norm = nn.RMSNorm(d, eps=config.rms_norm_eps)
         self.rotary_emb = Qwen3RotaryEmbedding(config)
         self.apply(self._init)
+        # A reduced draft vocabulary (DESIGN §2 cost note): the drafter scores only `draft_vocab_size` target
+        # tokens. Stored EAGLE-3 style: d2t[i] = target id − i for draft id i; t2d[t] = t is in the draft vocab.
+        self.draft_vocab_size: int | None = getattr(config, "draft_vocab_size", None)
+        if self.draft_vocab_size:
+            self.register_buffer("d2t", torch.zeros(self.draft_vocab_size, dtype=torch.long))
+            self.register_buffer("t2d", torch.zeros(config.vocab_size, dtype=torch.bool))
+
+    def set_draft_vocab(self, target_ids: torch.Tensor) -> None:
+        """The target ids (ascending) the drafter may propose."""
+        ids = torch.sort(target_ids.to(self.d2t.device)).values
+        self.d2t.copy_(ids - torch.arange(len(ids), device=ids.device))
+        self.t2d.zero_()
+        self.t2d[ids] = True
+
+    def draft_ids(self) -> torch.Tensor | None:
+        """Target id of each draft-vocabulary entry; None with the full vocabulary."""
+        if not self.draft_vocab_size:
+            return None
+        return torch.arange(self.draft_vocab_size, device=self.d2t.device) + self.d2t
+
+    def head_weight(self, lm_head_weight: torch.Tensor) -> torch.Tensor:
+        """The rows of the target's (frozen) LM head this drafter scores with."""
+        ids = self.draft_ids()
+        return lm_head_weight if ids is None else lm_head_weight[ids.to(lm_head_weight.device)]
+
+    def target_logits(self, hidden: torch.Tensor, lm_head_weight: torch.Tensor) -> torch.Tensor:
+        """Logits over the whole target vocabulary (−inf outside a reduced draft vocabulary), for decoding."""
+        logits = hidden.to(lm_head_weight.dtype) @ self.head_weight(lm_head_weight).T
+        ids = self.draft_ids()
+        if ids is None:
+            return logits
+        full = logits.new_full((*logits.shape[:-1], lm_head_weight.shape[0]), float("-inf"))
+        full[..., ids.to(full.device)] = logits
+        return full
 
     @staticmethod
     def _init(module: nn.Module) -> None:

@@ -89,7 +89,7 @@ class SpecDecoder:
             block[0, 0] = anchor
             positions = torch.arange(position, position + k, device=device)[None]
             hidden = self.drafter.decode(self.embed(block), positions, None, ctx_kv=ctx_kv)
-            draft_logits = self.lm_head(hidden[0, 1:])  # K−1 proposals, each for its own position
+            draft_logits = self.drafter.target_logits(hidden[0, 1:], self.lm_head.weight)  # K−1 proposals
             drafts = _pick(draft_logits, temperature, generator)
             block[0, 1:] = drafts
             target_logits, features = self._target_pass(block, cache)

@@ -54,6 +54,7 @@ def load_drafter(path: str | Path, device: str | torch.device = "cpu", dtype=tor
     config.architectures = raw.get("architectures", ["DFlashDraftModel"])
     config.block_size, config.num_target_layers = raw["block_size"], raw["num_target_layers"]
     config.dflash_config = raw["dflash_config"]
+    config.draft_vocab_size = raw.get("draft_vocab_size")
     drafter = DFlashDrafter(config)
     state = load_file(str(path / "model.safetensors"))
     drafter.load_state_dict(state)

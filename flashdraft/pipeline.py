@@ -5,7 +5,8 @@
 
 A plain list of steps (datatrove-style): each reads the previous stage's artifact directory under `workdir`
 and writes its own; each decides for itself whether it is already done (manifest verifies, lineage matches).
-With `store`, every artifact is pushed there as it completes and verified at the destination.
+With `store`, every artifact is pushed there as it completes and verified at the destination, and an
+artifact (or the input of the first stage run) that verifies only in the store is pulled instead of rebuilt.
 """
 
 from __future__ import annotations
@@ -56,14 +57,39 @@ def run_pipeline(
         "eval": lambda: evaluate.run(cfg.eval, dirs["train"], dirs["eval"], log=log),
     }
     results = {}
-    for stage in selected(from_stage, until):
+    chosen = selected(from_stage, until)
+    for stage in chosen:
+        if cfg.store:
+            before = STAGES[STAGES.index(stage) - 1] if stage != STAGES[0] else None
+            for needed in ([before] if before and before not in chosen else []) + [stage]:
+                fetch_verified(dirs[needed], _remote(cfg.store, needed), log)
         results[stage] = steps[stage]()
         if cfg.store:
             from flashdraft.store import open_store
             from flashdraft.sync import push
 
-            log(push(dirs[stage], open_store(f"{cfg.store.rstrip('/')}/{stage}"), log=log).line())
+            log(push(dirs[stage], open_store(_remote(cfg.store, stage)), log=log).line())
     return results
+
+
+def _remote(store: str, stage: str) -> str:
+    return f"{store.rstrip('/')}/{stage}"
+
+
+def fetch_verified(local: Path, remote: str, log: Callable[[str], None]) -> bool:
+    """Pull `remote` into `local` when only the store holds a verified copy (a fresh machine joining a run).
+    The stage then decides as always: matching lineage ⇒ already done; otherwise it rebuilds."""
+    from flashdraft.artifact import verify_dir
+    from flashdraft.store import open_store
+    from flashdraft.sync import pull, verify_store
+
+    if not verify_dir(local):
+        return False
+    store = open_store(remote)
+    if verify_store(store):
+        return False
+    log(pull(store, local, delete=True).line())
+    return True
 
 
 KEY_STATS = {

@@ -108,6 +108,12 @@ class Target:
     def features(self, input_ids_BT: torch.Tensor) -> torch.Tensor:
         return self.forward(input_ids_BT)[1]
 
+    def head_weight(self, drafter: DFlashDrafter) -> torch.Tensor:
+        """The LM head rows the drafter scores with (all of them, or its reduced draft vocabulary)."""
+        if getattr(self, "_head_for", None) is not drafter:
+            self._head, self._head_for = drafter.head_weight(self.model.lm_head.weight), drafter
+        return self._head
+
     def discard_features(self) -> None:
         """Forget what the hooks captured during a pass whose features are not needed (e.g. `generate`)."""
         self._captured.clear()
@@ -169,30 +175,53 @@ def pick_mask_token(cfg: TrainConfig, target_config, target_path: str, dataset) 
 # ---------------------------------------------------------------------------------------------- one sequence
 
 
-def sequence_step(model, target: Target, ids_T, mask_T, cfg: TrainConfig, generator, device) -> dict | None:
-    """Loss (with grad) and accuracy stats of all blocks of one sequence; None if it has no anchor."""
+def sequence_step(model, target: Target, ids_T, mask_T, cfg: TrainConfig, generator, device,
+                  features_TF: torch.Tensor | None = None) -> dict | None:  # fmt: skip
+    """Loss (with grad) and accuracy stats of all blocks of one sequence; None if it has no anchor.
+    `features_TF`: the sequence's cached target features (offline mode); else the target runs now."""
     drafter: DFlashDrafter = getattr(model, "module", model)
     ids_T, mask_T = torch.as_tensor(ids_T[: cfg.max_length]).long(), torch.as_tensor(mask_T[: cfg.max_length])
     anchors = sample_anchors(mask_T, drafter.block_size, cfg.max_anchors, generator)
     if len(anchors) == 0:
         return None
     context_len = int(anchors.max())  # no block sees a position at or after its anchor
-    features = target.features(ids_T[None, :context_len]).to(device)
+    if features_TF is None:
+        features_TF = target.features(ids_T[None, :context_len])[0]
+    # The target is causal: a prefix of the whole sequence's cached features is the prefix's features.
+    features = features_TF[None, :context_len].to(device=device, dtype=torch.float32)
     block_ids, positions, labels, weights = build_blocks(
         ids_T, mask_T, anchors, drafter.block_size, drafter.mask_token_id
     )
     embed = target.model.get_input_embeddings()
     with torch.no_grad():
-        block_embeds = embed(block_ids.view(1, -1).to(embed.weight.device)).to(device)
+        block_embeds = embed(block_ids.view(1, -1).to(embed.weight.device)).to(device, torch.float32)
     allowed = block_attention_mask(anchors, drafter.block_size, context_len)[None].to(device)
-    hidden = model(block_embeds, features, positions.view(1, -1).to(device),
-                   torch.arange(context_len, device=device)[None], allowed)  # fmt: skip
-    logits = target.model.lm_head(hidden.to(target.model.lm_head.weight.device)).to(device)
+    with torch.autocast("cuda", dtype=torch.bfloat16, enabled=str(device).startswith("cuda")):
+        hidden = model(block_embeds, features, positions.view(1, -1).to(device),
+                       torch.arange(context_len, device=device)[None], allowed)  # fmt: skip
+        head = target.head_weight(drafter)
+        logits = (hidden.to(head.device) @ head.T).to(device)
+    loss_weights = weights
+    if drafter.draft_vocab_size:  # labels into the draft vocabulary; a token outside it cannot be proposed
+        t2d = drafter.t2d.cpu()
+        in_vocab = t2d[labels]
+        labels = torch.where(in_vocab, t2d.cumsum(0)[labels] - 1, -1)
+        loss_weights = weights * in_vocab
     n, k = labels.shape
-    loss = weighted_loss(logits.view(n * k, -1), labels.view(-1).to(device), weights.view(-1).to(device))
+    loss = weighted_loss(logits.view(n * k, -1), labels.view(-1).clamp(min=0).to(device),
+                         loss_weights.view(-1).to(device))  # fmt: skip
     with torch.no_grad():
         rates = per_position_accuracy(logits.view(n, k, -1).cpu(), labels, weights)
     return {"loss": loss, "rates": rates, "tokens": int(ids_T.shape[0]), "anchors": n}
+
+
+def choose_draft_vocab(dataset, size: int, vocab_size: int) -> torch.Tensor:
+    """The `size` target ids most often supervised in the training data (ties: lower id first)."""
+    counts = np.zeros(vocab_size, dtype=np.int64)
+    for row in dataset:
+        counts += np.bincount(row["input_ids"][row["loss_mask"].astype(bool)], minlength=vocab_size)
+    order = np.lexsort((np.arange(vocab_size), -counts))  # by count descending, then id
+    return torch.from_numpy(np.sort(order[:size]))
 
 
 def mean_rates(rows: list[list[float]]) -> list[float]:
@@ -366,18 +395,24 @@ def run(
     dataset = load_dataset_checked(data, cfg.block_size, target.config.vocab_size, cfg.max_length)
     config = draft_config(target.config, num_layers=cfg.num_layers, block_size=cfg.block_size,
                           mask_token_id=pick_mask_token(cfg, target.config, target.path, dataset),
-                          target_layer_ids=cfg.target_layer_ids)  # fmt: skip
+                          target_layer_ids=cfg.target_layer_ids, draft_vocab_size=cfg.draft_vocab_size)  # fmt: skip
     target.watch(config.dflash_config["target_layer_ids"])
+    n_eval = min(cfg.eval_samples, max(0, len(dataset) // 10))
+    n_train = len(dataset) - n_eval
 
     torch.manual_seed(cfg.seed)
     drafter = DFlashDrafter(config).to(device)
     if cfg.init_from_target:
         drafter.init_from_target(target.model)
+    if cfg.draft_vocab_size:
+        drafter.set_draft_vocab(choose_draft_vocab(dataset.select(range(n_train)), cfg.draft_vocab_size,
+                                                   target.config.vocab_size))  # fmt: skip
+    cache = None
+    if cfg.features == "offline":
+        cache = offline_features(cfg, data, out, target, target_path, dataset, rank, world, console, say)
     model = wrap(drafter, cfg, world, device)
     optimizer = torch.optim.AdamW(drafter.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
 
-    n_eval = min(cfg.eval_samples, max(0, len(dataset) // 10))
-    n_train = len(dataset) - n_eval
     per_rank = n_train // world
     steps_per_epoch = max(1, per_rank // cfg.batch_size)
     total_steps = cfg.max_steps or cfg.epochs * steps_per_epoch
@@ -423,7 +458,8 @@ def run(
                     last_micro = i == len(batch) - 1
                     sync = nullcontext() if last_micro or not hasattr(model, "no_sync") else model.no_sync()
                     with sync:
-                        result = sequence_step(model, target, row["input_ids"], row["loss_mask"], cfg, gen, device)
+                        result = sequence_step(model, target, row["input_ids"], row["loss_mask"], cfg, gen, device,
+                                               None if cache is None else cache[index])  # fmt: skip
                         if result is not None:
                             (result["loss"] / len(batch)).backward()
                             results.append(result)
@@ -451,7 +487,7 @@ def run(
                     if b + 1 == steps_per_epoch:
                         position = {"step": step, "epoch": epoch + 1, "batch": 0}
                     # Every rank evaluates (collectives stay in step); rank 0 records and saves.
-                    held = evaluate_heldout(model, target, dataset, range(n_train, len(dataset)), cfg, device)
+                    held = evaluate_heldout(model, target, dataset, range(n_train, len(dataset)), cfg, device, cache)
                     if rank == 0:
                         _append(metrics_path, {"step": step, "heldout": held})
                         shipper.checkpoint(save_checkpoint(out, step, model, optimizer, scheduler, position, lineage))
@@ -459,7 +495,7 @@ def run(
             else:
                 position = {"step": step, "epoch": epoch + 1, "batch": 0}
 
-    held = evaluate_heldout(model, target, dataset, range(n_train, len(dataset)), cfg, device)
+    held = evaluate_heldout(model, target, dataset, range(n_train, len(dataset)), cfg, device, cache)
     if rank != 0:
         shipper.wait()
         _barrier(world)
@@ -481,15 +517,31 @@ def run(
     return stats
 
 
+def offline_features(cfg: TrainConfig, data: Path, out: Path, target: Target, target_path: str, dataset,
+                     rank: int, world: int, console, log):  # fmt: skip
+    """The offline cache under `out/features`: rank 0 builds (or reuses) it, the other ranks then read it."""
+    from flashdraft.features import FeatureCache, build_or_reuse
+
+    lineage = Lineage(
+        inputs=[manifest_digest(data)],
+        config=sha256_json({"target": identity(target_path), "layers": target.layer_ids, "max_length": cfg.max_length}),
+    )
+    if rank == 0:
+        cache = build_or_reuse(out / "features", target, dataset, cfg.max_length, lineage, console=console, log=log)
+    _barrier(world)
+    return cache if rank == 0 else FeatureCache(out / "features")
+
+
 @torch.no_grad()
-def evaluate_heldout(model, target: Target, dataset, indices, cfg: TrainConfig, device) -> dict[str, Any]:
+def evaluate_heldout(model, target: Target, dataset, indices, cfg: TrainConfig, device, cache=None) -> dict[str, Any]:
     """Per-position accuracy and simulated τ on held-out samples, with fixed anchors."""
     model.eval()
     rows = []
     for index in indices:
         row = dataset[index]
         result = sequence_step(model, target, row["input_ids"], row["loss_mask"], cfg,
-                               torch.Generator().manual_seed(index), device)  # fmt: skip
+                               torch.Generator().manual_seed(index), device,
+                               None if cache is None else cache[index])  # fmt: skip
         if result is not None:
             rows.append(result["rates"])
     model.train()

@@ -68,6 +68,18 @@ def test_run_pipeline_end_to_end_then_everything_is_done(cli, tmp_path, tiny_mod
     for stage in ("generate", "tokenize", "train", "eval"):
         assert verify_dir(store / stage) == [], stage
 
+    # A fresh machine with the same store: everything is pulled and verified, nothing recomputed.
+    fresh = tiny_pipeline_config(tmp_path / "fresh.yaml", tmp_path / "fresh-work", tiny_model_dir)
+    joined = cli("run", fresh, "--store", str(store), check=True).stdout
+    assert joined.count("pull: ") == 4 and joined.count("already done, verified") >= 4
+    assert "generate: building" not in joined and "train: building" not in joined
+    assert read_manifest(tmp_path / "fresh-work" / "eval").stats == read_manifest(work / "eval").stats
+
+    # A machine that only tokenizes: the generate artifact it needs comes from the store.
+    cpu_box = tiny_pipeline_config(tmp_path / "cpu.yaml", tmp_path / "cpu-work", tiny_model_dir)
+    part = cli("run", cpu_box, "--store", str(store), "--from", "tokenize", "--until", "tokenize", check=True)
+    assert part.stdout.count("pull: ") == 2 and verify_dir(tmp_path / "cpu-work" / "generate") == []
+
 
 def test_status_reports_what_it_checks_now(cli, tmp_path, tiny_model_dir):
     config = tiny_pipeline_config(tmp_path / "tiny.yaml", tmp_path / "work", tiny_model_dir)
@@ -113,3 +125,48 @@ def test_demo_yaml_matches_what_demo_runs():
 
     example = load_config(Path(__file__).resolve().parent.parent / "examples" / "demo.yaml")
     assert example == demo_config(Path("flashdraft-work"))
+
+
+def _kill_when(args: list[str], appears, timeout: float = 300) -> None:
+    """Start `flashdraft …`, SIGKILL it the moment `appears()` is true (or fail if it never is)."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    proc = subprocess.Popen([sys.executable, "-m", "flashdraft", *args], stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)  # fmt: skip
+    deadline = time.time() + timeout
+    while not appears():
+        assert proc.poll() is None, "the run finished before the kill point was reached"
+        assert time.time() < deadline, "kill point not reached in time"
+        time.sleep(0.005)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+
+
+@pytest.mark.slow
+def test_sigkill_mid_stage_then_run_finishes_without_redoing_work(cli, tmp_path, tiny_model_dir):
+    import re
+
+    config = tiny_pipeline_config(tmp_path / "tiny.yaml", tmp_path / "work", tiny_model_dir)
+    data = yaml.safe_load(open(config))
+    data["generate"]["batch_size"] = 2  # six committed batches: a kill lands between two of them
+    data["train"].update(epochs=3, checkpoint_every=1)
+    open(config, "w").write(yaml.safe_dump(data))
+    work = tmp_path / "work"
+
+    _kill_when(["run", config], lambda: (work / "generate" / "batch-000000.jsonl").exists())
+    assert not (work / "generate" / MANIFEST).exists()
+    after_generate_kill = cli("run", config, "--until", "tokenize", check=True).stdout
+    committed = int(re.search(r"(\d+) already committed", after_generate_kill).group(1))
+    assert 1 <= committed < 6  # the finished batches were kept, only the rest generated
+
+    _kill_when(["run", config], lambda: (work / "train" / "checkpoints" / "step-0000002").exists())
+    assert not (work / "train" / "drafter").exists()
+    final = cli("run", config, check=True).stdout
+    assert "generate: already done, verified" in final and "tokenize: already done, verified" in final
+    assert "resuming from step-" in final  # training continued from its newest complete checkpoint
+    for path in ("generate", "dataset", "train/drafter", "eval"):
+        assert verify_dir(work / path) == [], path

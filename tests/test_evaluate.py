@@ -71,6 +71,39 @@ def test_overfit_drafter_accepts_many_tokens_and_stays_lossless(target, overfit_
     assert spec.acceptance_length > 3.0
 
 
+def test_reduced_draft_vocab_trains_exports_and_decodes_losslessly(target, tmp_path):
+    """A drafter scoring only 64 target tokens: label mapping, export (d2t/t2d) and eval agree end to end."""
+    from flashdraft.export import load_drafter
+    from flashdraft.train import choose_draft_vocab
+
+    continuation = greedy(target, PROMPT, 64)
+    ids = torch.tensor(PROMPT + continuation)
+    mask = torch.zeros(len(ids), dtype=torch.long)
+    mask[len(PROMPT) - 1 :] = 1
+    rows = [{"input_ids": ids.numpy(), "loss_mask": mask.numpy()}]
+    vocab = choose_draft_vocab(rows, 64, target.config.vocab_size)
+    assert set(ids[mask.bool()].tolist()) <= set(vocab.tolist())  # every supervised token made the cut
+    torch.manual_seed(0)
+    config = draft_config(target.config, num_layers=1, block_size=8, mask_token_id=0, draft_vocab_size=64)
+    drafter = DFlashDrafter(config)
+    drafter.set_draft_vocab(vocab)
+    target.watch(drafter.target_layer_ids)
+    cfg = TrainConfig(block_size=8, max_anchors=32, max_length=4096)
+    optimizer = torch.optim.AdamW(drafter.parameters(), lr=3e-3)
+    for step in range(150):
+        result = sequence_step(drafter, target, ids, mask, cfg, torch.Generator().manual_seed(step), "cpu")
+        result["loss"].backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    assert result["rates"][0] > 0.9  # mapped labels: a wrong mapping would leave accuracy near zero
+
+    save_drafter(drafter, tmp_path / "drafter")
+    loaded = load_drafter(tmp_path / "drafter")
+    assert torch.equal(loaded.draft_ids(), vocab)
+    spec = SpecDecoder(target, loaded, stop_ids=set()).generate(PROMPT, 64)
+    assert spec.tokens == continuation and spec.acceptance_length > 3.0
+
+
 def reference_decode(target: Target, drafter: DFlashDrafter, prompt: list[int], max_new: int) -> tuple[list, list]:
     """Greedy speculative decoding recomputed from scratch at every step: no KV cache anywhere."""
     k = drafter.block_size

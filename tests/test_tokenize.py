@@ -267,3 +267,14 @@ def test_unreadable_input_is_a_clear_error(tmp_path, smollm2_dir):
     with pytest.raises(FileNotFoundError, match="no .jsonl"):
         run(cfg(smollm2_dir), empty, tmp_path / "ds", log=lambda s: None)
     shutil.rmtree(empty)
+
+
+def test_written_schema_is_what_datasets_itself_describes():
+    from datasets import Features, List, Value
+
+    from flashdraft.tokenize import FEATURES, arrow_schema
+
+    expected = Features({"id": Value("string"), "input_ids": List(Value("int32")), "loss_mask": List(Value("uint8")),
+                         "num_tokens": Value("int32")})  # fmt: skip
+    assert FEATURES == expected.to_dict()
+    assert arrow_schema() == expected.arrow_schema and arrow_schema().metadata == expected.arrow_schema.metadata

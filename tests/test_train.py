@@ -221,6 +221,32 @@ def test_checkpoints_are_pushed_verified_and_old_ones_pruned(tiny_target, tiny_d
     assert verify_store(open_store(f"{url}/drafter")) == []  # the rerun put the missing object back
 
 
+def test_offline_features_are_the_online_ones_and_are_reused(tiny_target, tiny_dataset, tmp_path):
+    from flashdraft.features import FeatureCache
+
+    online, offline = tmp_path / "online", tmp_path / "offline"
+    run(tiny_cfg(tiny_target, max_steps=6), tiny_dataset, online, log=quiet)
+    lines = []
+    run(tiny_cfg(tiny_target, max_steps=6, features="offline"), tiny_dataset, offline, log=lines.append)
+    assert any(line.startswith("features: caching") and "MB" in line for line in lines)  # size said first
+    assert verify_dir(offline / "features") == [] and not (online / "features").exists()
+
+    cache, target = FeatureCache(offline / "features"), Target(tiny_target, "cpu", quiet)
+    target.watch(read_manifest(offline / "features").stats["layer_ids"])
+    ids = torch.as_tensor(__import__("datasets").load_from_disk(str(tiny_dataset))[3]["input_ids"])
+    exact = target.features(ids[None])[0]
+    assert torch.allclose(cache[3], exact, rtol=1e-2, atol=1e-2)  # bf16 storage of the same numbers
+    assert torch.allclose(target.features(ids[None, :20])[0], exact[:20], atol=1e-5)  # causal: prefix = slice
+
+    def losses(out):
+        return [m["loss"] for m in map(json.loads, (out / "metrics.jsonl").open()) if "loss" in m]
+
+    assert all(abs(a - b) < 0.02 for a, b in zip(losses(online), losses(offline), strict=True))
+    lines.clear()
+    run(tiny_cfg(tiny_target, max_steps=8, features="offline"), tiny_dataset, offline, log=lines.append)
+    assert any(line.startswith("features: already done, verified") for line in lines)
+
+
 def test_export_round_trip(tiny_target, tmp_path):
     from transformers import AutoConfig
 
