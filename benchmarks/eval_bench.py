@@ -38,9 +38,11 @@ def main() -> None:
         run(cfg, Path(args.drafter), Path(out) / "eval")
         report = json.loads((Path(out) / "eval" / "report.json").read_text())
     drafter_stats = json.loads((Path(args.drafter) / "manifest.json").read_text())["stats"]
+    prompts = report["prompts"]  # per-prompt results
+    n_prompts = len(prompts) if isinstance(prompts, list) else prompts
     lines = [
         f"### eval — {datetime.now(UTC).date()} — SmolLM2-135M-Instruct target, demo drafter "
-        f"({drafter_stats.get('steps')} steps), {report['prompts']} held-out prompts, {args.max_new_tokens} new "
+        f"({drafter_stats.get('steps')} steps), {n_prompts} held-out prompts, {args.max_new_tokens} new "
         f"tokens, greedy, CPU, {os.cpu_count()} cores",
         "",
         f"Command: `.venv/bin/flashdraft demo && .venv/bin/python benchmarks/eval_bench.py --prompts {args.prompts} "

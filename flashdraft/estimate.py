@@ -97,18 +97,19 @@ def prompt_lengths(source: str, tokenizer_ref: str, sample: int = 2000) -> tuple
     if not prompts:
         raise EstimateError(f"no usable prompts in {source}")
     picked = prompts[:: max(1, len(prompts) // sample)][:sample]
-    texts = ["".join(m["content"] for m in p.messages) for p in picked]
-    overhead = sum(len(p.messages) for p in picked) * TEMPLATE_TOKENS_PER_MESSAGE
     try:
         from transformers import AutoTokenizer
 
         tok = AutoTokenizer.from_pretrained(_local_ref(tokenizer_ref), local_files_only=True)
+        # Rendered as generation will send them: chat template, default system prompt, generation prompt.
+        texts = [tok.apply_chat_template(p.messages, add_generation_prompt=True, tokenize=False) for p in picked]
         tokens = sum(len(ids) for ids in tok(texts, add_special_tokens=False)["input_ids"])
-        how = f"tokenized {len(picked)} prompts"
+        how = f"{len(picked)} prompts rendered with the chat template and tokenized"
     except (OSError, ValueError):
-        tokens = sum(len(t) for t in texts) / CHARS_PER_TOKEN
+        chars = sum(len(m["content"]) for p in picked for m in p.messages)
+        tokens = chars / CHARS_PER_TOKEN + sum(len(p.messages) for p in picked) * TEMPLATE_TOKENS_PER_MESSAGE
         how = f"≈ {CHARS_PER_TOKEN:g} characters per token (tokenizer not on this machine)"
-    return len(prompts), (tokens + overhead) / len(picked), how
+    return len(prompts), tokens / len(picked), how
 
 
 def drafter_params(shape: TargetShape, num_layers: int, n_features: int) -> int:
@@ -152,7 +153,7 @@ def estimate(
         "completions_bytes": int(count * (RECORD_OVERHEAD_BYTES + prompt_tokens * CHARS_PER_TOKEN)
                                  + completion_tokens * (CHARS_PER_TOKEN + JSON_BYTES_PER_TOKEN_ID)),  # fmt: skip
         "dataset_tokens": dataset_tokens,
-        "dataset_bytes": dataset_tokens * 5 + count * 16,  # int32 ids + uint8 mask + list offsets
+        "dataset_bytes": dataset_tokens * 5 + count * 40,  # int32 ids + uint8 mask; id, offsets, num_tokens
         "offline_features_bytes": dataset_tokens * len(layer_ids) * shape.hidden * FEATURE_BYTES,
         "drafter_params": params,
         "checkpoint_bytes": params * CHECKPOINT_BYTES_PER_PARAM,

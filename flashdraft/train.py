@@ -234,6 +234,50 @@ def mean_rates(rows: list[list[float]]) -> list[float]:
         return [float(x) for x in np.nanmean(arr, axis=0)] if len(arr) else []
 
 
+# ---------------------------------------------------------------------------------------------- metrics
+
+
+class MetricSinks:
+    """metrics.jsonl always; TensorBoard (`<out>/tensorboard`) when `tensorboard` is installed; Weights &
+    Biases when `wandb` is installed and WANDB_PROJECT is set (so nothing ever waits on a login prompt)."""
+
+    def __init__(self, out: Path, enabled: bool, config: dict) -> None:
+        self.path, self.sinks, self.enabled = out / "metrics.jsonl", [], enabled
+        if not enabled:
+            return
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.sinks.append(("tensorboard", SummaryWriter(str(out / "tensorboard"))))
+        except ImportError:
+            pass
+        if os.environ.get("WANDB_PROJECT"):
+            try:
+                import wandb
+
+                self.sinks.append(("wandb", wandb.init(project=os.environ["WANDB_PROJECT"], config=config)))
+            except ImportError:
+                pass
+
+    def log(self, record: dict) -> None:
+        if not self.enabled:
+            return
+        _append(self.path, record)
+        scalars = {k: v for k, v in record.items() if isinstance(v, int | float) and k not in ("step", "epoch")}
+        if "heldout" in record and record["heldout"].get("simulated_acceptance_length") is not None:
+            scalars["heldout_simulated_acceptance_length"] = record["heldout"]["simulated_acceptance_length"]
+        for name, sink in self.sinks:
+            if name == "tensorboard":
+                for key, value in scalars.items():
+                    sink.add_scalar(key, value, record["step"])
+            else:
+                sink.log(scalars, step=record["step"])
+
+    def close(self) -> None:
+        for name, sink in self.sinks:
+            sink.close() if name == "tensorboard" else sink.finish()
+
+
 # ---------------------------------------------------------------------------------------------- checkpoints
 
 
@@ -428,9 +472,9 @@ def run(
         position = json.loads((resume / "position.json").read_text())
         step = position["step"]
         say(f"train: resuming from {resume.name} (step {step}, epoch {position['epoch']})")
-    metrics_path = out / "metrics.jsonl"
     if rank == 0:
-        _truncate_metrics(metrics_path, step)
+        _truncate_metrics(out / "metrics.jsonl", step)
+    sinks = MetricSinks(out, rank == 0, cfg.model_dump())
     say(f"train: {n_train} training / {n_eval} held-out samples, {world} process(es), {total_steps} steps, "
         f"drafter {sum(p.numel() for p in drafter.parameters()) / 1e6:.1f}M params, "
         f"mask token {drafter.mask_token_id}, target layers {drafter.target_layer_ids}")  # fmt: skip
@@ -479,8 +523,7 @@ def run(
                     "tokens_per_s": round(tokens * world / max(time.perf_counter() - t0, 1e-9), 1),
                     "lr": scheduler.get_last_lr()[0],
                 }  # fmt: skip
-                if rank == 0:
-                    _append(metrics_path, last)
+                sinks.log(last)
                 update(advance=1, loss=f"{last['loss']:.3f}", tau=f"{last['simulated_acceptance_length']:.2f}",
                        tps=f"{last['tokens_per_s']:,.0f}")  # fmt: skip
                 if step % cfg.checkpoint_every == 0 or b + 1 == steps_per_epoch or step == total_steps:
@@ -488,14 +531,15 @@ def run(
                         position = {"step": step, "epoch": epoch + 1, "batch": 0}
                     # Every rank evaluates (collectives stay in step); rank 0 records and saves.
                     held = evaluate_heldout(model, target, dataset, range(n_train, len(dataset)), cfg, device, cache)
+                    sinks.log({"step": step, "heldout": held})
                     if rank == 0:
-                        _append(metrics_path, {"step": step, "heldout": held})
                         shipper.checkpoint(save_checkpoint(out, step, model, optimizer, scheduler, position, lineage))
                     _barrier(world)
             else:
                 position = {"step": step, "epoch": epoch + 1, "batch": 0}
 
     held = evaluate_heldout(model, target, dataset, range(n_train, len(dataset)), cfg, device, cache)
+    sinks.close()
     if rank != 0:
         shipper.wait()
         _barrier(world)

@@ -42,7 +42,7 @@ def test_estimate_of_a_local_config_matches_the_real_drafter(cli, tmp_path, tiny
     assert not workdir.exists()  # an estimate runs nothing
 
     assert est["prompts"] == 12 and est["completion_tokens_max"] == 12 * 24
-    assert est["prompt_tokens_measured"].startswith("tokenized 404 prompts")  # the built-in set, measured
+    assert est["prompt_tokens_measured"].startswith("404 prompts rendered")  # the built-in set, measured
     real = DFlashDrafter(draft_config(AutoConfig.from_pretrained(tiny_model_dir), num_layers=2, block_size=16,
                                       mask_token_id=0))  # fmt: skip
     assert est["drafter_params"] == sum(p.numel() for p in real.parameters())

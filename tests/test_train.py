@@ -199,6 +199,21 @@ def test_training_run_checkpoints_exports_and_reruns_as_done(tiny_target, tiny_d
     assert "already done, verified" in lines[0]  # where checkpoints are kept is not part of what is trained
 
 
+def test_metrics_go_to_jsonl_and_tensorboard_alike(tiny_target, tiny_dataset, tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    out = tmp_path / "out"
+    run(tiny_cfg(tiny_target, max_steps=4), tiny_dataset, out, log=quiet)
+    lines = [json.loads(line) for line in (out / "metrics.jsonl").open()]
+    events = EventAccumulator(str(out / "tensorboard"))
+    events.Reload()
+    steps = [m for m in lines if "loss" in m]
+    assert [e.step for e in events.Scalars("loss")] == [m["step"] for m in steps] == [1, 2, 3, 4]
+    assert [e.value for e in events.Scalars("loss")] == pytest.approx([m["loss"] for m in steps])
+    held = [m["heldout"]["simulated_acceptance_length"] for m in lines if "heldout" in m]
+    assert [e.value for e in events.Scalars("heldout_simulated_acceptance_length")] == pytest.approx(held)
+
+
 def test_checkpoints_are_pushed_verified_and_old_ones_pruned(tiny_target, tiny_dataset, tmp_path, s3env):
     import uuid
 
