@@ -71,8 +71,8 @@ class TrainConfig(Section):
     eval_samples: int = 16  # held-out tail of the dataset for per-position accuracy and simulated τ
     init_from_target: bool = False  # start draft layers from the target's last layers
     mask_token_id: int | None = None  # None: an id the target never uses (a padded row, or unseen in the data)
-    device: str | None = None  # drafter device; None: cuda if available, else cpu
-    target_device: str | None = None  # e.g. "cuda:0,cuda:1" to spread the target; None: the drafter's device
+    device: str | None = None  # drafter device; None: cuda if available, else cpu; "a;b": one per local rank
+    target_device: str | None = None  # "cuda:0,cuda:1" spreads the target; "cuda:0;cuda:1" one per local rank
     fsdp: bool = False  # shard the drafter with FSDP instead of DDP under torchrun
 
 

@@ -369,6 +369,18 @@ def latest_checkpoint(out: Path, lineage: Lineage, log: Callable[[str], None]) -
 # ---------------------------------------------------------------------------------------------- run
 
 
+def for_rank(spec: str | None, local_rank: int) -> str | None:
+    """Device settings per process: "a;b;c" gives local rank i the i-th entry (the 2 + 2 split under
+    `torchrun --nproc-per-node 2`: target_device "cuda:0;cuda:1", device "cuda:2;cuda:3"); within an entry,
+    "cuda:0,cuda:1" spreads one process's target over both."""
+    if spec is None or ";" not in spec:
+        return spec
+    entries = [e.strip() for e in spec.split(";")]
+    if local_rank >= len(entries):
+        raise BadTrainingInput(f"device setting {spec!r} has {len(entries)} entries; local rank {local_rank} has none")
+    return entries[local_rank]
+
+
 def setup_distributed() -> tuple[int, int]:
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world > 1 and not torch.distributed.is_initialized():
@@ -405,9 +417,11 @@ def run(
     data, out = Path(data), Path(out)
     rank, world = setup_distributed()
     say = log if rank == 0 else (lambda s: None)
-    device = cfg.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    device = for_rank(cfg.device, local_rank) or ("cuda" if torch.cuda.is_available() else "cpu")
     if device == "cuda" and world > 1:
-        device = f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}"
+        device = f"cuda:{local_rank}"
+    target_device = for_rank(cfg.target_device, local_rank) or device
 
     if not (data / MANIFEST).is_file():
         raise BadTrainingInput(f"{data} is not a verified dataset (no manifest): run `flashdraft tokenize` first")
@@ -434,7 +448,7 @@ def run(
         return read_manifest(out / "drafter").stats
     if require_checkpoint and latest_checkpoint(out, lineage, say) is None:
         raise BadTrainingInput(f"--resume: {out} has no complete checkpoint of this run to resume from")
-    target = Target(target_path, cfg.target_device or device, say)
+    target = Target(target_path, target_device, say)
 
     dataset = load_dataset_checked(data, cfg.block_size, target.config.vocab_size, cfg.max_length)
     config = draft_config(target.config, num_layers=cfg.num_layers, block_size=cfg.block_size,

@@ -262,6 +262,16 @@ def test_offline_features_are_the_online_ones_and_are_reused(tiny_target, tiny_d
     assert any(line.startswith("features: already done, verified") for line in lines)
 
 
+def test_device_settings_per_local_rank():
+    from flashdraft.train import for_rank
+
+    assert for_rank("cuda:0;cuda:1", 1) == "cuda:1" and for_rank("cuda:2;cuda:3", 0) == "cuda:2"
+    assert for_rank("cuda:0,cuda:1", 3) == "cuda:0,cuda:1"  # a spread, the same for every rank
+    assert for_rank(None, 0) is None
+    with pytest.raises(BadTrainingInput, match="local rank 2"):
+        for_rank("cuda:0;cuda:1", 2)
+
+
 def test_export_round_trip(tiny_target, tmp_path):
     from transformers import AutoConfig
 
