@@ -215,6 +215,14 @@ def sequence_step(model, target: Target, ids_T, mask_T, cfg: TrainConfig, genera
     return {"loss": loss, "rates": rates, "tokens": int(ids_T.shape[0]), "anchors": n}
 
 
+def split_heldout(n: int, eval_samples: int, seed: int) -> tuple[list[int], list[int]]:
+    """(training, held-out) sample indices. The held-out ones are a seeded random pick, not the tail: datasets
+    often come sorted (by prompt category, by source), and a tail would measure one kind of text only."""
+    n_eval = min(eval_samples, max(0, n // 10))
+    perm = torch.randperm(n, generator=torch.Generator().manual_seed(seed)).tolist()
+    return sorted(perm[n_eval:]), sorted(perm[:n_eval])
+
+
 def choose_draft_vocab(dataset, size: int, vocab_size: int) -> torch.Tensor:
     """The `size` target ids most often supervised in the training data (ties: lower id first)."""
     counts = np.zeros(vocab_size, dtype=np.int64)
@@ -455,15 +463,15 @@ def run(
                           mask_token_id=pick_mask_token(cfg, target.config, target.path, dataset),
                           target_layer_ids=cfg.target_layer_ids, draft_vocab_size=cfg.draft_vocab_size)  # fmt: skip
     target.watch(config.dflash_config["target_layer_ids"])
-    n_eval = min(cfg.eval_samples, max(0, len(dataset) // 10))
-    n_train = len(dataset) - n_eval
+    train_ids, heldout_ids = split_heldout(len(dataset), cfg.eval_samples, cfg.seed)
+    n_train, n_eval = len(train_ids), len(heldout_ids)
 
     torch.manual_seed(cfg.seed)
     drafter = DFlashDrafter(config).to(device)
     if cfg.init_from_target:
         drafter.init_from_target(target.model)
     if cfg.draft_vocab_size:
-        drafter.set_draft_vocab(choose_draft_vocab(dataset.select(range(n_train)), cfg.draft_vocab_size,
+        drafter.set_draft_vocab(choose_draft_vocab(dataset.select(train_ids), cfg.draft_vocab_size,
                                                    target.config.vocab_size))  # fmt: skip
     cache = None
     if cfg.features == "offline":
@@ -501,7 +509,8 @@ def run(
     with progress(shown, text, total=total_steps, completed=step, loss="–", tau="–", tps="–") as update:
         while step < total_steps:
             epoch, first_batch = position["epoch"], position["batch"]
-            order = torch.randperm(n_train, generator=torch.Generator().manual_seed(cfg.seed + epoch)).tolist()
+            shuffled = torch.randperm(n_train, generator=torch.Generator().manual_seed(cfg.seed + epoch)).tolist()
+            order = [train_ids[i] for i in shuffled]
             mine = order[rank : per_rank * world : world]
             for b in range(first_batch, steps_per_epoch):
                 if step >= total_steps:
@@ -544,7 +553,7 @@ def run(
                     if b + 1 == steps_per_epoch:
                         position = {"step": step, "epoch": epoch + 1, "batch": 0}
                     # Every rank evaluates (collectives stay in step); rank 0 records and saves.
-                    held = evaluate_heldout(model, target, dataset, range(n_train, len(dataset)), cfg, device, cache)
+                    held = evaluate_heldout(model, target, dataset, heldout_ids, cfg, device, cache)
                     sinks.log({"step": step, "heldout": held})
                     if rank == 0:
                         shipper.checkpoint(save_checkpoint(out, step, model, optimizer, scheduler, position, lineage))
@@ -552,7 +561,7 @@ def run(
             else:
                 position = {"step": step, "epoch": epoch + 1, "batch": 0}
 
-    held = evaluate_heldout(model, target, dataset, range(n_train, len(dataset)), cfg, device, cache)
+    held = evaluate_heldout(model, target, dataset, heldout_ids, cfg, device, cache)
     sinks.close()
     if rank != 0:
         shipper.wait()
