@@ -21,6 +21,7 @@ import gc
 import json
 import os
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from multiprocessing import get_context
 from pathlib import Path
@@ -286,12 +287,33 @@ _worker: dict[str, Any] = {}
 def _init_worker(tokenizer_path: str, cfg: TokenizeConfig, from_generate: bool) -> None:
     os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one process per core; no nested thread pools
     _worker.update(renderer=Renderer.load(tokenizer_path), cfg=cfg, from_generate=from_generate)
-    # The modules imported so far live as long as the worker: keep the cyclic GC from rescanning them while
-    # millions of short-lived objects (encodings, id lists) come and go.
-    gc.freeze()
+
+
+def _init_pool_worker(tokenizer_path: str, cfg: TokenizeConfig, from_generate: bool) -> None:
+    _init_worker(tokenizer_path, cfg, from_generate)
+    gc.freeze()  # what is loaded now lives as long as the worker: the cyclic GC need not rescan it
+
+
+@contextmanager
+def _no_cyclic_gc():
+    """Tokenizing allocates many short-lived, acyclic objects (encodings, id lists); cyclic-GC passes over
+    them cost ~6 % of the stage (measured). Reference counting frees them either way; the collector's state
+    is restored after."""
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()
 
 
 def process_chunk(items: list[tuple[str, int, bytes | dict]]) -> ChunkResult:
+    with _no_cyclic_gc():
+        return _process_chunk(items)
+
+
+def _process_chunk(items: list[tuple[str, int, bytes | dict]]) -> ChunkResult:
     renderer: Renderer = _worker["renderer"]
     cfg: TokenizeConfig = _worker["cfg"]
     from_generate: bool = _worker["from_generate"]
@@ -473,13 +495,13 @@ def run(
     loss_tokens = anchor_valid = 0
     init = (tokenizer_path, cfg, from_generate)
     text = "tokenize {task.completed:,} records, {task.fields[tokens]:,} tokens"
-    with progress(console, text, tokens=0) as update:
+    with progress(console, text, tokens=0) as update, _no_cyclic_gc():
         if workers == 1:
             _init_worker(*init)
             results = map(process_chunk, _chunks(records, CHUNK))
             pool = None
         else:
-            pool = get_context("spawn").Pool(workers, initializer=_init_worker, initargs=init)
+            pool = get_context("spawn").Pool(workers, initializer=_init_pool_worker, initargs=init)
             results = pool.imap(process_chunk, _chunks(records, CHUNK))  # ordered: same output for any N
         try:
             for chunk in results:
