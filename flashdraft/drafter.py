@@ -71,6 +71,25 @@ def draft_config(
     return config
 
 
+_compiled_flex = None
+
+
+def flex_attention(device: torch.device):
+    """FlexAttention: compiled (fused, block-sparse kernels) on CUDA; eager on CPU, where it serves only to
+    check the CUDA path's numbers against SDPA."""
+    global _compiled_flex
+    from torch.nn.attention.flex_attention import flex_attention as eager
+
+    if device.type != "cuda":
+        import warnings
+
+        warnings.filterwarnings("ignore", message=".*flex_attention called without torch.compile.*")
+        return eager
+    if _compiled_flex is None:
+        _compiled_flex = torch.compile(eager)
+    return _compiled_flex
+
+
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """RoPE on x (B, heads, positions, E) with cos/sin (B, positions, E)."""
     cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
@@ -110,8 +129,12 @@ class Attention(nn.Module):
         q, k = rotate(q, *rope_block), rotate(k, *rope_block)
         k_ctx, v_ctx = ctx_kv
         k, v = torch.cat([k_ctx, k], dim=2), torch.cat([v_ctx, v], dim=2)
-        mask = None if allowed_BSX is None else allowed_BSX.unsqueeze(1)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=self.heads != self.kv_heads)
+        gqa = self.heads != self.kv_heads
+        if allowed_BSX is not None and not isinstance(allowed_BSX, torch.Tensor):  # a FlexAttention BlockMask
+            out = flex_attention(q.device)(q, k, v, block_mask=allowed_BSX, enable_gqa=gqa)
+        else:
+            mask = None if allowed_BSX is None else allowed_BSX.unsqueeze(1)
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
         return self.o_proj(out.transpose(1, 2).reshape(b, s, self.heads * self.head_dim))
 
 

@@ -111,6 +111,25 @@ def test_each_block_sees_only_earlier_context_and_itself():
     assert not torch.allclose(bidirectional, base[1, 0], atol=1e-6)
 
 
+def test_flex_attention_block_mask_matches_the_dense_mask(tiny_target):
+    """The CUDA path (FlexAttention BlockMask) computes what the CPU path (SDPA + dense mask) does. Checked
+    with FlexAttention's eager implementation, forward only: torch has no FlexAttention backward on CPU."""
+    from transformers import AutoConfig
+
+    from flashdraft.blocks import flex_block_mask
+
+    torch.manual_seed(0)
+    drafter = DFlashDrafter(draft_config(AutoConfig.from_pretrained(tiny_target), num_layers=2, block_size=8,
+                                         mask_token_id=127))  # fmt: skip
+    anchors, context = torch.tensor([3, 9, 17, 30]), 31
+    args = (torch.randn(1, 32, 64), torch.randn(1, context, 2 * 64), (anchors[:, None] + torch.arange(8)).view(1, -1),
+            torch.arange(context)[None])  # fmt: skip
+    with torch.no_grad():
+        dense = drafter(*args, block_attention_mask(anchors, 8, context)[None])
+        flex = drafter(*args, flex_block_mask(anchors, 8, context, "cpu"))
+    assert torch.allclose(dense, flex, atol=1e-5)
+
+
 def test_blocks_use_same_position_labels_and_decay():
     ids = torch.arange(100, 140)
     mask = torch.ones(40, dtype=torch.long)
