@@ -45,22 +45,32 @@ def test_untrained_drafter_is_lossless_with_tau_near_one(target):
     assert 1.0 <= spec.acceptance_length < 1.5
 
 
-@pytest.fixture(scope="module")
-def overfit_drafter(target) -> DFlashDrafter:
-    """A drafter that learned the target's own greedy continuation of PROMPT."""
-    continuation = greedy(target, PROMPT, 64)
-    ids = torch.tensor(PROMPT + continuation)
+def continuation_sample(target: Target) -> tuple[torch.Tensor, torch.Tensor]:
+    """PROMPT + the target's own greedy continuation, supervised from the last prompt token on."""
+    ids = torch.tensor(PROMPT + greedy(target, PROMPT, 64))
     mask = torch.zeros(len(ids), dtype=torch.long)
     mask[len(PROMPT) - 1 :] = 1
-    drafter = new_drafter(target)
+    return ids, mask
+
+
+def overfit(drafter: DFlashDrafter, target: Target, ids, mask, steps: int) -> dict:
+    """Train `drafter` on one sequence; returns the last step's result."""
     target.watch(drafter.target_layer_ids)
     cfg = TrainConfig(block_size=8, max_anchors=32, max_length=4096)
     optimizer = torch.optim.AdamW(drafter.parameters(), lr=3e-3)
-    for step in range(200):
+    for step in range(steps):
         result = sequence_step(drafter, target, ids, mask, cfg, torch.Generator().manual_seed(step), "cpu")
         result["loss"].backward()
         optimizer.step()
         optimizer.zero_grad()
+    return result
+
+
+@pytest.fixture(scope="module")
+def overfit_drafter(target) -> DFlashDrafter:
+    """A drafter that learned the target's own greedy continuation of PROMPT."""
+    drafter = new_drafter(target)
+    overfit(drafter, target, *continuation_sample(target), steps=200)
     return drafter
 
 
@@ -76,10 +86,7 @@ def test_reduced_draft_vocab_trains_exports_and_decodes_losslessly(target, tmp_p
     from flashdraft.export import load_drafter
     from flashdraft.train import choose_draft_vocab
 
-    continuation = greedy(target, PROMPT, 64)
-    ids = torch.tensor(PROMPT + continuation)
-    mask = torch.zeros(len(ids), dtype=torch.long)
-    mask[len(PROMPT) - 1 :] = 1
+    ids, mask = continuation_sample(target)
     rows = [{"input_ids": ids.numpy(), "loss_mask": mask.numpy()}]
     vocab = choose_draft_vocab(rows, 64, target.config.vocab_size)
     assert set(ids[mask.bool()].tolist()) <= set(vocab.tolist())  # every supervised token made the cut
@@ -87,21 +94,14 @@ def test_reduced_draft_vocab_trains_exports_and_decodes_losslessly(target, tmp_p
     config = draft_config(target.config, num_layers=1, block_size=8, mask_token_id=0, draft_vocab_size=64)
     drafter = DFlashDrafter(config)
     drafter.set_draft_vocab(vocab)
-    target.watch(drafter.target_layer_ids)
-    cfg = TrainConfig(block_size=8, max_anchors=32, max_length=4096)
-    optimizer = torch.optim.AdamW(drafter.parameters(), lr=3e-3)
-    for step in range(150):
-        result = sequence_step(drafter, target, ids, mask, cfg, torch.Generator().manual_seed(step), "cpu")
-        result["loss"].backward()
-        optimizer.step()
-        optimizer.zero_grad()
+    result = overfit(drafter, target, ids, mask, steps=150)
     assert result["rates"][0] > 0.9  # mapped labels: a wrong mapping would leave accuracy near zero
 
     save_drafter(drafter, tmp_path / "drafter")
     loaded = load_drafter(tmp_path / "drafter")
     assert torch.equal(loaded.draft_ids(), vocab)
     spec = SpecDecoder(target, loaded, stop_ids=set()).generate(PROMPT, 64)
-    assert spec.tokens == continuation and spec.acceptance_length > 3.0
+    assert spec.tokens == ids[len(PROMPT) :].tolist() and spec.acceptance_length > 3.0
 
 
 def reference_decode(target: Target, drafter: DFlashDrafter, prompt: list[int], max_new: int) -> tuple[list, list]:
