@@ -68,9 +68,8 @@ def worker(length: int, anchors: int, layers: int, naive: bool, steps: int, mode
         for a in chosen.tolist():  # each block alone: its own context slice, its own pass
             block_ids, positions, labels, weights = build_blocks(ids, mask, torch.tensor([a]), 16, 0)
             if vocab:  # same mapping as sequence_step
-                in_vocab = drafter.t2d[labels]
-                labels = torch.where(in_vocab, drafter.t2d.cumsum(0)[labels] - 1, 0)
-                weights = weights * in_vocab
+                labels, inside = drafter.draft_labels(labels)
+                labels, weights = labels.clamp(min=0), weights * inside
             with torch.no_grad():
                 embeds = embed(block_ids.view(1, -1))
             hidden = drafter(embeds, features[:, :a], positions.view(1, -1), torch.arange(a)[None],

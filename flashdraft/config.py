@@ -68,7 +68,7 @@ class TrainConfig(Section):
     push_to: str | None = None  # local dir or s3:// URL each checkpoint and the drafter are pushed to, verified
     features: Literal["online", "offline"] = "online"  # offline: target features cached once, reused each epoch
     draft_vocab_size: int | None = None  # a reduced draft vocabulary (most frequent tokens) for cheap CPU runs
-    eval_samples: int = 16  # held-out tail of the dataset for per-position accuracy and simulated τ
+    eval_samples: int = 16  # held-out samples (a seeded pick) for per-position accuracy and simulated τ
     init_from_target: bool = False  # start draft layers from the target's last layers
     mask_token_id: int | None = None  # None: an id the target never uses (a padded row, or unseen in the data)
     device: str | None = None  # drafter device; None: cuda if available, else cpu; "a;b": one per local rank

@@ -18,6 +18,9 @@ X = C + S keys, D hidden, H query heads, G key/value heads, E head dim, F = n·D
 
 from __future__ import annotations
 
+import functools
+import warnings
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -71,23 +74,16 @@ def draft_config(
     return config
 
 
-_compiled_flex = None
-
-
-def flex_attention(device: torch.device):
+@functools.cache
+def flex_attention(device_type: str):
     """FlexAttention: compiled (fused, block-sparse kernels) on CUDA; eager on CPU, where it serves only to
     check the CUDA path's numbers against SDPA."""
-    global _compiled_flex
     from torch.nn.attention.flex_attention import flex_attention as eager
 
-    if device.type != "cuda":
-        import warnings
-
-        warnings.filterwarnings("ignore", message=".*flex_attention called without torch.compile.*")
-        return eager
-    if _compiled_flex is None:
-        _compiled_flex = torch.compile(eager)
-    return _compiled_flex
+    if device_type == "cuda":
+        return torch.compile(eager)
+    warnings.filterwarnings("ignore", message=".*flex_attention called without torch.compile.*")
+    return eager
 
 
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -131,7 +127,7 @@ class Attention(nn.Module):
         k, v = torch.cat([k_ctx, k], dim=2), torch.cat([v_ctx, v], dim=2)
         gqa = self.heads != self.kv_heads
         if allowed_BSX is not None and not isinstance(allowed_BSX, torch.Tensor):  # a FlexAttention BlockMask
-            out = flex_attention(q.device)(q, k, v, block_mask=allowed_BSX, enable_gqa=gqa)
+            out = flex_attention(q.device.type)(q, k, v, block_mask=allowed_BSX, enable_gqa=gqa)
         else:
             mask = None if allowed_BSX is None else allowed_BSX.unsqueeze(1)
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
@@ -205,14 +201,22 @@ class DFlashDrafter(nn.Module):
         ids = self.draft_ids()
         return lm_head_weight if ids is None else lm_head_weight[ids.to(lm_head_weight.device)]
 
-    def target_logits(self, hidden: torch.Tensor, lm_head_weight: torch.Tensor) -> torch.Tensor:
-        """Logits over the whole target vocabulary (−inf outside a reduced draft vocabulary), for decoding."""
-        logits = hidden.to(lm_head_weight.dtype) @ self.head_weight(lm_head_weight).T
+    def draft_labels(self, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(target ids as draft-vocabulary ids, −1 where a token is outside it; which are inside). With the
+        full vocabulary, the labels themselves."""
+        if not self.draft_vocab_size:
+            return labels, torch.ones_like(labels, dtype=torch.bool)
+        t2d = self.t2d.to(labels.device)
+        inside = t2d[labels]
+        return torch.where(inside, t2d.cumsum(0)[labels] - 1, -1), inside
+
+    def to_target_vocab(self, draft_logits: torch.Tensor, vocab_size: int) -> torch.Tensor:
+        """Logits over the draft vocabulary as logits over the target's (−inf outside it), for decoding."""
         ids = self.draft_ids()
         if ids is None:
-            return logits
-        full = logits.new_full((*logits.shape[:-1], lm_head_weight.shape[0]), float("-inf"))
-        full[..., ids.to(full.device)] = logits
+            return draft_logits
+        full = draft_logits.new_full((*draft_logits.shape[:-1], vocab_size), float("-inf"))
+        full[..., ids.to(full.device)] = draft_logits
         return full
 
     @staticmethod

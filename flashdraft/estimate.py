@@ -10,6 +10,7 @@ their bound (`max_new_tokens`): disk is planned for the worst case, and reasonin
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 from dataclasses import dataclass
@@ -78,6 +79,7 @@ def target_shape(ref: str, config_file: Path | None = None) -> TargetShape:
         ) from None
 
 
+@functools.cache  # the embedded target is verified (re-hashed) on resolve: once per estimate, not per question
 def _local_ref(ref: str) -> str:
     if ref == EMBEDDED_TARGET:
         from flashdraft.models import resolve_model

@@ -64,6 +64,7 @@ class SpecDecoder:
         target.watch(drafter.target_layer_ids)
         self.embed = target.model.get_input_embeddings()
         self.lm_head = target.model.lm_head
+        self.draft_head = target.head_weight(drafter)  # the LM head rows the drafter scores with, selected once
         # transformers ≥ 5.2x names the cache argument `cache`; earlier releases `past_key_values`.
         params = inspect.signature(target.model.model.forward).parameters
         self.cache_kwarg = "cache" if "cache" in params else "past_key_values"
@@ -89,7 +90,9 @@ class SpecDecoder:
             block[0, 0] = anchor
             positions = torch.arange(position, position + k, device=device)[None]
             hidden = self.drafter.decode(self.embed(block), positions, None, ctx_kv=ctx_kv)
-            draft_logits = self.drafter.target_logits(hidden[0, 1:], self.lm_head.weight)  # K−1 proposals
+            draft_logits = self.drafter.to_target_vocab(  # K−1 proposals, each for its own position
+                hidden[0, 1:].to(self.draft_head.dtype) @ self.draft_head.T, self.target.config.vocab_size
+            )
             drafts = _pick(draft_logits, temperature, generator)
             block[0, 1:] = drafts
             target_logits, features = self._target_pass(block, cache)

@@ -69,7 +69,9 @@ def build_or_reuse(
     log(decision.line("features", out))
     if decision.done:
         return FeatureCache(out)
-    lengths = [min(len(ids), max_length) for ids in dataset.data.column("input_ids").to_pylist()]
+    import pyarrow.compute as pc
+
+    lengths = [min(n, max_length) for n in pc.list_value_length(dataset.data.column("input_ids")).to_pylist()]
     layers, hidden = len(target.layer_ids), target.config.hidden_size
     size = cache_bytes(sum(lengths), layers, hidden)
     log(f"features: caching {sum(lengths):,} tokens × {layers} layers × {hidden} × 2 bytes = {size / 1e6:,.1f} MB")

@@ -292,6 +292,7 @@ def _init_worker(tokenizer_path: str, cfg: TokenizeConfig, from_generate: bool) 
 def _init_pool_worker(tokenizer_path: str, cfg: TokenizeConfig, from_generate: bool) -> None:
     _init_worker(tokenizer_path, cfg, from_generate)
     gc.freeze()  # what is loaded now lives as long as the worker: the cyclic GC need not rescan it
+    gc.disable()  # a worker only tokenizes (see _no_cyclic_gc); the process ends with the pool
 
 
 @contextmanager
@@ -309,11 +310,6 @@ def _no_cyclic_gc():
 
 
 def process_chunk(items: list[tuple[str, int, bytes | dict]]) -> ChunkResult:
-    with _no_cyclic_gc():
-        return _process_chunk(items)
-
-
-def _process_chunk(items: list[tuple[str, int, bytes | dict]]) -> ChunkResult:
     renderer: Renderer = _worker["renderer"]
     cfg: TokenizeConfig = _worker["cfg"]
     from_generate: bool = _worker["from_generate"]

@@ -207,10 +207,8 @@ def sequence_step(model, target: Target, ids_T, mask_T, cfg: TrainConfig, genera
         logits = (hidden.to(head.device) @ head.T).to(device)
     loss_weights = weights
     if drafter.draft_vocab_size:  # labels into the draft vocabulary; a token outside it cannot be proposed
-        t2d = drafter.t2d.cpu()
-        in_vocab = t2d[labels]
-        labels = torch.where(in_vocab, t2d.cumsum(0)[labels] - 1, -1)
-        loss_weights = weights * in_vocab
+        labels, inside = drafter.draft_labels(labels)
+        loss_weights = weights * inside
     n, k = labels.shape
     loss = weighted_loss(logits.view(n * k, -1), labels.view(-1).clamp(min=0).to(device),
                          loss_weights.view(-1).to(device))  # fmt: skip
@@ -287,7 +285,10 @@ class MetricSinks:
 
     def close(self) -> None:
         for name, sink in self.sinks:
-            sink.close() if name == "tensorboard" else sink.finish()
+            if name == "tensorboard":
+                sink.close()
+            else:
+                sink.finish()
 
 
 # ---------------------------------------------------------------------------------------------- checkpoints
@@ -317,19 +318,21 @@ def save_checkpoint(out: Path, step: int, model, optimizer, scheduler, position:
     return final
 
 
-def prune_checkpoints(out: Path, keep: int) -> list[str]:
-    """Delete all but the newest `keep` checkpoints (complete or not): disk stays bounded on long runs."""
+def prune_checkpoints(out: Path, keep: int, upto: str | None = None) -> list[str]:
+    """Delete all but the newest `keep` checkpoints (complete or not): disk stays bounded on long runs.
+    With `upto`, only checkpoints no newer than that one are candidates (newer ones may not be pushed yet)."""
     removed = []
     for path in checkpoint_dirs(out)[max(1, keep) :]:
-        shutil.rmtree(path, ignore_errors=True)
-        removed.append(path.name)
+        if upto is None or path.name <= upto:
+            shutil.rmtree(path, ignore_errors=True)
+            removed.append(path.name)
     return removed
 
 
 class CheckpointShipper:
     """Pushes each checkpoint to `train.push_to` (verified there) and prunes old local ones, in one
-    background thread so training does not wait on the network. FIFO: a checkpoint is pruned only after
-    every push queued before it has finished."""
+    background thread so training does not wait on the network. FIFO: after checkpoint N is pushed, every
+    checkpoint up to N has been, so only those are pruned; newer ones may still wait for their push."""
 
     def __init__(self, out: Path, cfg: TrainConfig, log: Callable[[str], None]) -> None:
         from concurrent.futures import ThreadPoolExecutor
@@ -348,7 +351,7 @@ class CheckpointShipper:
         def ship() -> None:
             if self.cfg.push_to:
                 self._push(path, f"checkpoints/{path.name}")
-            prune_checkpoints(self.out, self.cfg.keep_checkpoints)
+            prune_checkpoints(self.out, self.cfg.keep_checkpoints, upto=path.name)
 
         self.pending.append(self.pool.submit(ship))
 
