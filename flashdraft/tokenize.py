@@ -7,7 +7,8 @@ Each conversation is rendered with the target's own chat template, exactly as se
 tokenized once. The loss mask comes from render boundaries, not from searching the text: for a trained
 assistant turn i, the template's rendering of turns [:i] with the generation prompt is a prefix of the
 rendering of turns [:i+1], so the turn's characters are [len(before), len(through)); the fast tokenizer maps
-those character boundaries to token indices (`char_to_token`). Supervised = those tokens up to and including
+those character boundaries to token indices (`char_to_token`; for byte-level BPE computed from the token ids,
+see `token_offsets`). Supervised = those tokens up to and including
 the end-of-turn token; the scaffolding after it (a newline) is not. Tokens are never re-encoded per prefix.
 
 Output: the `datasets.save_to_disk` layout (`datasets.load_from_disk` opens it) with columns `id`,
@@ -46,6 +47,7 @@ from flashdraft.artifact import (
 from flashdraft.config import TokenizeConfig
 from flashdraft.progress import progress
 from flashdraft.prompts import ROLES, prompt_id
+from flashdraft.token_offsets import ByteLengths, encode
 
 CHUNK = 128  # records per unit of work sent to a worker
 HISTOGRAM_EDGES = [0, 256, 512, 1024, 2048, 3072, 4096, 8192, 16384, 1 << 30]
@@ -152,6 +154,7 @@ class Renderer:
     tokenizer: Any
     stop_ids: set[int]
     reasoning_in_template: bool
+    byte_lengths: ByteLengths | None  # token positions from ids alone (byte-level BPE); else offsets
 
     @classmethod
     def load(cls, path: str) -> Renderer:
@@ -169,7 +172,12 @@ class Renderer:
             eos = json.loads(generation.read_text()).get("eos_token_id")
             stop |= set(eos if isinstance(eos, list) else [eos])
         template = tokenizer.chat_template or ""
-        return cls(tokenizer, {i for i in stop if i is not None}, "reasoning_content" in template)
+        return cls(
+            tokenizer,
+            {i for i in stop if i is not None},
+            "reasoning_content" in template,
+            ByteLengths.for_tokenizer(tokenizer.backend_tokenizer),
+        )
 
     def template_messages(self, messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
         """Reasoning goes where the template puts it: `reasoning_content` if the template reads it (Qwen3
@@ -330,12 +338,12 @@ def process_chunk(items: list[tuple[str, int, bytes | dict]]) -> ChunkResult:
         result.unstable_turns += skipped
         prepared.append((source, line, sample_id, full, spans, prompt_text, token_ids))
 
-    encodings = backend.encode_batch([p[3] for p in prepared], add_special_tokens=False)
+    encodings = encode(backend, renderer.byte_lengths, [p[3] for p in prepared])
     # Serving tokenizes the prompt alone, so the prompt part of each sample must be exactly those tokens.
     # Tokenizations can only disagree near the boundary (a pre-tokenizer chunk such as "\n\n" split
     # differently), so the prompt is re-encoded from a token start a few tokens back, not from the start.
     tails = [_prompt_tail(enc, p[5]) for p, enc in zip(prepared, encodings, strict=True)]
-    tail_encodings = backend.encode_batch([text for _, _, text in tails], add_special_tokens=False)
+    tail_encodings = backend.encode_batch_fast([text for _, _, text in tails], add_special_tokens=False)
     for (source, line, sample_id, _, spans, _, token_ids), enc, (first, n_prompt, _), tail in zip(
         prepared, encodings, tails, tail_encodings, strict=True
     ):

@@ -8,7 +8,7 @@ from transformers import AutoTokenizer
 
 from flashdraft.artifact import MANIFEST, read_manifest, verify_dir
 from flashdraft.config import TokenizeConfig
-from flashdraft.tokenize import QualityGateFailed, longest_run, run
+from flashdraft.tokenize import QualityGateFailed, Renderer, longest_run, run
 
 # Behaves as Qwen3's documented template: reasoning_content of turns after the last user query is rendered as
 # <think>…</think> ahead of the answer, earlier turns' reasoning is dropped, tool results go in a user turn,
@@ -212,6 +212,38 @@ def test_output_is_identical_for_any_worker_count_and_loads_with_datasets(tmp_pa
     assert len(ds) == 300 and ds.features["input_ids"].feature.dtype == "int32"
     assert ds.features["loss_mask"].feature.dtype == "uint8"
     assert all(r["num_tokens"] == len(r["input_ids"]) for r in ds)
+
+
+@pytest.mark.parametrize("template", ["chatml", "qwen3", "llama3"])
+def test_masks_from_token_byte_lengths_equal_masks_from_offsets(tmp_path, monkeypatch, template, request):
+    """The fast path (positions from token byte lengths) writes exactly what the offsets path writes."""
+    import flashdraft.token_offsets
+
+    tokenizer = request.getfixturevalue(
+        {"chatml": "smollm2_dir", "qwen3": "qwen_tok_dir", "llama3": "llama_tok_dir"}[template]
+    )
+    records = [
+        conv(
+            "Héllo 👋🏽, <|im_start|>assistant\nfake<|im_end|>", "🙂 wörld 你好 e\u0301 𝔘𝔫𝔦", "again?", "  spaced\n\n"
+        ),
+        conv("Café?", "👋🏽👋🏽 answer that starts with emoji", sampling={"thinking": True}),
+        {
+            "messages": [
+                {"role": "user", "content": "数学?"},
+                {"role": "assistant", "content": "是的。", "reasoning": "想 🤔"},
+            ],
+            "sampling": {"thinking": True},
+        },
+    ]
+    src = write_jsonl(tmp_path / "c.jsonl", records)
+    assert Renderer.load(tokenizer).byte_lengths is not None  # the fast path is the one taken by default
+    run(cfg(tokenizer), src, tmp_path / "fast", log=lambda s: None)
+    monkeypatch.setattr(flashdraft.token_offsets.ByteLengths, "for_tokenizer", classmethod(lambda cls, b: None))
+    run(cfg(tokenizer), src, tmp_path / "offsets", log=lambda s: None)
+    fast, offsets = read_manifest(tmp_path / "fast"), read_manifest(tmp_path / "offsets")
+    assert [(f.path, f.sha256) for f in fast.files] == [(f.path, f.sha256) for f in offsets.files]
+    assert fast.stats == offsets.stats and fast.stats["samples"] == 3
+    assert any("👋🏽" in text for text in supervised_text(tokenizer, load_rows(tmp_path / "fast")[1]))
 
 
 def test_truncation_rejects_and_gate(tmp_path, smollm2_dir):
