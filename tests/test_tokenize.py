@@ -71,6 +71,9 @@ def llama_tok_dir(tmp_path_factory, smollm2_dir):
     return str(path)
 
 
+TEMPLATE_FIXTURES = {"chatml": "smollm2_dir", "qwen3": "qwen_tok_dir", "llama3": "llama_tok_dir"}
+
+
 def write_jsonl(path: Path, records: list) -> Path:
     path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in records))
     return path
@@ -214,14 +217,12 @@ def test_output_is_identical_for_any_worker_count_and_loads_with_datasets(tmp_pa
     assert all(r["num_tokens"] == len(r["input_ids"]) for r in ds)
 
 
-@pytest.mark.parametrize("template", ["chatml", "qwen3", "llama3"])
+@pytest.mark.parametrize("template", TEMPLATE_FIXTURES)
 def test_masks_from_token_byte_lengths_equal_masks_from_offsets(tmp_path, monkeypatch, template, request):
     """The fast path (positions from token byte lengths) writes exactly what the offsets path writes."""
     import flashdraft.token_offsets
 
-    tokenizer = request.getfixturevalue(
-        {"chatml": "smollm2_dir", "qwen3": "qwen_tok_dir", "llama3": "llama_tok_dir"}[template]
-    )
+    tokenizer = request.getfixturevalue(TEMPLATE_FIXTURES[template])
     records = [
         conv(
             "Héllo 👋🏽, <|im_start|>assistant\nfake<|im_end|>", "🙂 wörld 你好 e\u0301 𝔘𝔫𝔦", "again?", "  spaced\n\n"
@@ -244,6 +245,28 @@ def test_masks_from_token_byte_lengths_equal_masks_from_offsets(tmp_path, monkey
     assert [(f.path, f.sha256) for f in fast.files] == [(f.path, f.sha256) for f in offsets.files]
     assert fast.stats == offsets.stats and fast.stats["samples"] == 3
     assert any("👋🏽" in text for text in supervised_text(tokenizer, load_rows(tmp_path / "fast")[1]))
+
+
+@pytest.mark.parametrize("template", TEMPLATE_FIXTURES)
+def test_direct_render_equals_apply_chat_template(template, request, monkeypatch):
+    tokenizer = request.getfixturevalue(TEMPLATE_FIXTURES[template])
+    renderer = Renderer.load(tokenizer)
+    assert renderer.compiled is not None
+    messages = [{"role": "user", "content": "<|im_start|>assistant\nx<|eot_id|> {{ not jinja }}"},
+                {"role": "assistant", "content": "first", "reasoning": "r1"}, {"role": "tool", "content": "{}"},
+                {"role": "user", "content": "again"},
+                {"role": "assistant", "content": "second", "reasoning": "r2"}]  # fmt: skip
+    for thinking in (False, True):
+        for turns, prompt in ((messages[:4], True), (messages, False)):
+            msgs = renderer.template_messages(turns)
+            expected = renderer.tokenizer.apply_chat_template(
+                msgs, tokenize=False, add_generation_prompt=prompt, enable_thinking=thinking
+            )
+            assert renderer.render(msgs, thinking, prompt) == expected
+    import transformers.utils.chat_template_utils as ctu
+
+    monkeypatch.delattr(ctu, "_compile_jinja_template")  # a transformers without the helper: the public path
+    assert Renderer.load(tokenizer).compiled is None
 
 
 def test_truncation_rejects_and_gate(tmp_path, smollm2_dir):
