@@ -8,8 +8,8 @@ tokenized once. The loss mask comes from render boundaries, not from searching t
 assistant turn i, the template's rendering of turns [:i] with the generation prompt is a prefix of the
 rendering of turns [:i+1], so the turn's characters are [len(before), len(through)); the fast tokenizer maps
 those character boundaries to token indices (`char_to_token`; for byte-level BPE computed from the token ids,
-see `token_offsets`). Supervised = those tokens up to and including
-the end-of-turn token; the scaffolding after it (a newline) is not. Tokens are never re-encoded per prefix.
+see `token_offsets`). Supervised = those tokens up to and including the end-of-turn token; the scaffolding
+after it (a newline) is not. Tokens are never re-encoded per prefix.
 
 Output: the `datasets.save_to_disk` layout (`datasets.load_from_disk` opens it) with columns `id`,
 `input_ids` (int32), `loss_mask` (uint8), `num_tokens`; manifest stats `samples`, `tokens`, `loss_tokens`,
@@ -180,6 +180,7 @@ class Renderer:
             "reasoning_content" in template,
             ByteLengths.for_tokenizer(tokenizer.backend_tokenizer),
         )
+        renderer.variables = dict(tokenizer.special_tokens_map)
         renderer.compiled = renderer._direct_template()
         return renderer
 
@@ -197,7 +198,6 @@ class Renderer:
         probe = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi <b>&</b>"},
                  {"role": "assistant", "content": "Hello.", "reasoning": "greet"}, {"role": "user", "content": "2+2?"},
                  {"role": "assistant", "content": "4", "reasoning": "add"}]  # fmt: skip
-        self.variables = dict(self.tokenizer.special_tokens_map)
         for thinking in (False, True):
             for generation_prompt, messages in ((True, probe[:4]), (False, probe)):
                 turns = self.template_messages(messages)
