@@ -81,9 +81,9 @@ class ByteLengths:
 
     def locate(self, text: str, ids: list[int]) -> ByteLevelEncoding | None:
         """Positions for `ids` (the encoding of `text`), or None if this sample needs real offsets."""
-        raw = text.encode("utf-8")
         if self.nfc and not unicodedata.is_normalized("NFC", text):
             return None
+        raw = text.encode("utf-8")
         ids_array = np.asarray(ids, dtype=np.int32)
         ends = np.cumsum(self.lengths[ids_array])
         if (ends[-1] if len(ends) else 0) != len(raw):  # e.g. an added token that swallowed spaces

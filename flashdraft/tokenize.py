@@ -23,7 +23,7 @@ import json
 import os
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from multiprocessing import get_context
 from pathlib import Path
 from typing import Any
@@ -335,11 +335,11 @@ class ChunkResult:
     loss_tokens: int = 0
     anchor_valid: int = 0
 
-    COUNTS = ("truncated", "prompt_mismatches", "token_id_mismatches", "unstable_turns", "loss_tokens", "anchor_valid")
-
     def add_counts(self, other: ChunkResult) -> None:
-        for name in self.COUNTS:
-            setattr(self, name, getattr(self, name) + getattr(other, name))
+        """Add `other`'s counters (every int field) to this one's."""
+        for f in fields(self):
+            if f.type == "int":
+                setattr(self, f.name, getattr(self, f.name) + getattr(other, f.name))
 
 
 _worker: dict[str, Any] = {}
