@@ -29,7 +29,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 def bare(prompts_path: str, batch: int, max_new_tokens: int) -> dict:
     """What a hand-written script does: chat template, left-padded batches, model.generate, count tokens."""
-    from flashdraft.models import resolve_model
+    from flashdraft.model.resolve import resolve_model
 
     path = resolve_model("embedded", log=lambda s: None)  # conversion is cached before either variant is timed
     start = time.perf_counter()  # both variants pay for importing torch and transformers
@@ -56,7 +56,7 @@ def bare(prompts_path: str, batch: int, max_new_tokens: int) -> dict:
 def flashdraft(prompts_path: str, batch: int, max_new_tokens: int) -> dict:
     from flashdraft import generate
     from flashdraft.config import GenerateConfig
-    from flashdraft.models import resolve_model
+    from flashdraft.model.resolve import resolve_model
 
     resolve_model("embedded", log=lambda s: None)  # conversion is cached before either variant is timed
     cfg = GenerateConfig(prompts=prompts_path, batch_size=batch, max_new_tokens=max_new_tokens)
@@ -87,8 +87,8 @@ def main() -> None:
     if args.worker:
         return worker(args)
 
-    from flashdraft.models import resolve_model
-    from flashdraft.prompts import load_prompts
+    from flashdraft.generate.prompts import load_prompts
+    from flashdraft.model.resolve import resolve_model
 
     resolve_model("embedded")
     prompts = load_prompts("builtin:demo").prompts[:: max(1, 404 // args.prompts)][: args.prompts]

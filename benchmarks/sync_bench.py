@@ -26,7 +26,7 @@ BENCH = ROOT / ".bench"
 BIN = Path(sys.executable).parent
 sys.path.insert(0, str(ROOT))
 
-from flashdraft.artifact import build_manifest, digest_files, write_manifest  # noqa: E402
+from flashdraft.artifact.manifest import build_manifest, digest_files, write_manifest  # noqa: E402
 from flashdraft.testing import TcpForwarder, seaweed_server  # noqa: E402
 
 

@@ -120,7 +120,7 @@ def main() -> None:
 
     from transformers import AutoTokenizer
 
-    from flashdraft.models import resolve_model
+    from flashdraft.model.resolve import resolve_model
 
     tokenizer_dir = resolve_model("embedded")
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)

@@ -34,11 +34,12 @@ def worker(length: int, anchors: int, layers: int, naive: bool, steps: int, mode
     LM head) or `offline-V` (cached target features, a V-token draft vocabulary)."""
     import torch
 
-    from flashdraft.blocks import block_attention_mask, build_blocks, sample_anchors, weighted_loss
     from flashdraft.config import TrainConfig
-    from flashdraft.drafter import DFlashDrafter, draft_config
-    from flashdraft.models import resolve_model
-    from flashdraft.train import Target, sequence_step
+    from flashdraft.model.drafter import DFlashDrafter, draft_config
+    from flashdraft.model.objective import block_attention_mask, build_blocks, sample_anchors, weighted_loss
+    from flashdraft.model.resolve import resolve_model
+    from flashdraft.model.target import Target
+    from flashdraft.train.step import sequence_step
 
     torch.manual_seed(0)
     offline = mode.startswith("offline")

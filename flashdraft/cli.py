@@ -179,8 +179,8 @@ def train(
 ) -> None:
     """Train the DFlash block-diffusion drafter on the target's hidden states (torchrun for DDP)."""
     from flashdraft import train as stage
-    from flashdraft.store import StoreError
-    from flashdraft.sync import VerifyFailed
+    from flashdraft.artifact.store import StoreError
+    from flashdraft.artifact.sync import VerifyFailed
 
     overrides = {"train.target": target, "train.max_steps": max_steps, "train.epochs": epochs,
                  "train.push_to": push_to, "train.features": features}  # fmt: skip
@@ -238,7 +238,7 @@ def manifest(
     json_out: JsonFlag = False,
 ) -> None:
     """Build manifest.json (size + sha256 of every file) for an existing directory."""
-    from flashdraft.artifact import KINDS, build_manifest, write_manifest
+    from flashdraft.artifact.manifest import KINDS, build_manifest, write_manifest
 
     if kind not in KINDS:
         fail(f"unknown kind {kind!r}; one of {', '.join(KINDS)}")
@@ -256,7 +256,7 @@ EndpointFlag = Annotated[str | None, typer.Option(help="S3 endpoint URL (default
 
 
 def _open_store(location: str, profile: str | None, endpoint_url: str | None, jobs: int = 8):
-    from flashdraft.store import StoreError, open_store
+    from flashdraft.artifact.store import StoreError, open_store
 
     try:
         return open_store(location, profile=profile, endpoint_url=endpoint_url, jobs=jobs)
@@ -288,9 +288,9 @@ def verify(
     json_out: JsonFlag = False,
 ) -> None:
     """Check an artifact against its manifest: every file present, same size and hash, nothing unlisted."""
-    from flashdraft.artifact import verify_dir
-    from flashdraft.store import StoreError, is_url
-    from flashdraft.sync import verify_store
+    from flashdraft.artifact.manifest import verify_dir
+    from flashdraft.artifact.store import StoreError, is_url
+    from flashdraft.artifact.sync import verify_store
 
     if is_url(path):
         store = _open_store(path, profile, endpoint_url)
@@ -324,8 +324,8 @@ def sync(
     json_out: JsonFlag = False,
 ) -> None:
     """Copy an artifact by content (hash), manifest last, and verify it at the destination."""
-    from flashdraft.store import StoreError, is_url
-    from flashdraft.sync import VerifyFailed, pull, push
+    from flashdraft.artifact.store import StoreError, is_url
+    from flashdraft.artifact.sync import VerifyFailed, pull, push
 
     if direction is Direction.push and is_url(src):
         fail("push copies a local directory to a store: SRC must be a directory (did you mean pull?)")
@@ -377,7 +377,7 @@ def status(
     json_out: JsonFlag = False,
 ) -> None:
     """Show each stage's artifact and whether it verifies (checked now, not remembered); writes STATUS.md."""
-    from flashdraft.artifact import atomic_write_text
+    from flashdraft.artifact.atomic import atomic_write_text
     from flashdraft.demo import status_table
     from flashdraft.pipeline import pipeline_status, status_markdown
 
@@ -406,7 +406,7 @@ def run(
     except ValueError as e:
         fail(str(e))
     if dry_run:
-        from flashdraft.artifact import verify_dir
+        from flashdraft.artifact.manifest import verify_dir
 
         dirs = artifact_dirs(cfg)
         for stage in stages:

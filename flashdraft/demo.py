@@ -15,7 +15,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from flashdraft.artifact import read_manifest
+from flashdraft.artifact.manifest import read_manifest
 from flashdraft.config import PipelineConfig, load_config
 from flashdraft.pipeline import artifact_dirs, pipeline_status, run_pipeline
 

@@ -18,7 +18,8 @@ from pathlib import Path
 from typing import Any
 
 from flashdraft.config import EMBEDDED_TARGET, PipelineConfig
-from flashdraft.drafter import uniform_layer_ids
+from flashdraft.model.drafter import uniform_layer_ids
+from flashdraft.train.feature_cache import feature_bytes
 
 CHARS_PER_TOKEN = 4.0  # fallback when the tokenizer is not on this machine
 TEMPLATE_TOKENS_PER_MESSAGE = 5  # chat-template scaffolding (role header, end-of-turn) per message
@@ -28,7 +29,6 @@ RECORD_OVERHEAD_BYTES = 400  # ids, finish reason, sampling settings of one comp
 # (measured, benchmarks/RESULTS.md), and a typical vLLM/SGLang endpoint serving an 8B-class model on one GPU.
 DEFAULT_TOKENS_PER_S = {"hf": 100.0, "openai": 2000.0, "vllm": 2000.0}
 CHECKPOINT_BYTES_PER_PARAM = 12  # fp32 weights + AdamW's two fp32 moments
-FEATURE_BYTES = 2  # bf16 features, as DESIGN §2 counts the offline cache
 
 
 class EstimateError(ValueError):
@@ -82,7 +82,7 @@ def target_shape(ref: str, config_file: Path | None = None) -> TargetShape:
 @functools.cache  # the embedded target is verified (re-hashed) on resolve: once per estimate, not per question
 def _local_ref(ref: str) -> str:
     if ref == EMBEDDED_TARGET:
-        from flashdraft.models import resolve_model
+        from flashdraft.model.resolve import resolve_model
 
         return resolve_model(ref, log=lambda s: None)
     return ref
@@ -90,7 +90,7 @@ def _local_ref(ref: str) -> str:
 
 def prompt_lengths(source: str, tokenizer_ref: str, sample: int = 2000) -> tuple[int, float, str]:
     """(prompts after dedupe, mean prompt tokens, how that mean was measured)."""
-    from flashdraft.prompts import load_prompts
+    from flashdraft.generate.prompts import load_prompts
 
     try:
         prompts = load_prompts(source).prompts
@@ -156,7 +156,7 @@ def estimate(
                                  + completion_tokens * (CHARS_PER_TOKEN + JSON_BYTES_PER_TOKEN_ID)),  # fmt: skip
         "dataset_tokens": dataset_tokens,
         "dataset_bytes": dataset_tokens * 5 + count * 40,  # int32 ids + uint8 mask; id, offsets, num_tokens
-        "offline_features_bytes": dataset_tokens * len(layer_ids) * shape.hidden * FEATURE_BYTES,
+        "offline_features_bytes": feature_bytes(dataset_tokens, len(layer_ids), shape.hidden),
         "drafter_params": params,
         "checkpoint_bytes": params * CHECKPOINT_BYTES_PER_PARAM,
         "checkpoints_kept": tr.keep_checkpoints,
@@ -190,7 +190,7 @@ def describe(est: dict[str, Any], cfg: PipelineConfig) -> list[str]:
         f"disk, dataset: {b(est['dataset_bytes'])} ({est['dataset_tokens']:,} tokens at max length "
         f"{cfg.tokenize.max_length:,})",
         f"disk, target features {features}: {b(est['offline_features_bytes'])} "
-        f"(tokens × {len(est['target_layer_ids'])} layers × {est['target']['hidden']:,} × {FEATURE_BYTES} bytes)",
+        f"(tokens × {len(est['target_layer_ids'])} layers × {est['target']['hidden']:,} × 2 bytes)",
         f"disk, checkpoints: {b(est['checkpoints_bytes'])} ({est['checkpoints_kept']} kept × "
         f"{b(est['checkpoint_bytes'])}: {est['drafter_params'] / 1e6:,.1f}M drafter params with AdamW state)",
         f"disk, exported drafter: {b(est['drafter_bytes'])}",

@@ -65,8 +65,8 @@ def run_pipeline(
                 fetch_verified(dirs[needed], _remote(cfg.store, needed), log)
         results[stage] = steps[stage]()
         if cfg.store:
-            from flashdraft.store import open_store
-            from flashdraft.sync import push
+            from flashdraft.artifact.store import open_store
+            from flashdraft.artifact.sync import push
 
             log(push(dirs[stage], open_store(_remote(cfg.store, stage)), log=log).line())
     return results
@@ -79,9 +79,9 @@ def _remote(store: str, stage: str) -> str:
 def fetch_verified(local: Path, remote: str, log: Callable[[str], None]) -> bool:
     """Pull `remote` into `local` when only the store holds a verified copy (a fresh machine joining a run).
     The stage then decides as always: matching lineage ⇒ already done; otherwise it rebuilds."""
-    from flashdraft.artifact import verify_dir
-    from flashdraft.store import open_store
-    from flashdraft.sync import pull, verify_store
+    from flashdraft.artifact.manifest import verify_dir
+    from flashdraft.artifact.store import open_store
+    from flashdraft.artifact.sync import pull, verify_store
 
     if not verify_dir(local):
         return False
@@ -103,7 +103,7 @@ KEY_STATS = {
 def pipeline_status(cfg: PipelineConfig, store: str | None = None) -> list[dict[str, Any]]:
     """Each stage's artifact as it is now — verified or not, why, key stats — locally and in `store`.
     Everything is checked at call time; nothing is taken from what a stage once printed."""
-    from flashdraft.artifact import read_manifest, verify_dir
+    from flashdraft.artifact.manifest import read_manifest, verify_dir
 
     rows = []
     for stage, path in artifact_dirs(cfg).items():
@@ -119,8 +119,8 @@ def pipeline_status(cfg: PipelineConfig, store: str | None = None) -> list[dict[
         }
         rows.append(row)
         if store:
-            from flashdraft.store import open_store
-            from flashdraft.sync import verify_store
+            from flashdraft.artifact.store import open_store
+            from flashdraft.artifact.sync import verify_store
 
             remote = f"{store.rstrip('/')}/{stage}"
             remote_problems = verify_store(open_store(remote))

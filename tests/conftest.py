@@ -48,7 +48,7 @@ def s3env(seaweed, monkeypatch, tmp_path):
 @pytest.fixture(scope="session")
 def smollm2_dir() -> str:
     """The embedded target as an HF directory (converted once into the flashdraft cache, then verified)."""
-    from flashdraft.models import resolve_model
+    from flashdraft.model.resolve import resolve_model
 
     return resolve_model("embedded", log=lambda s: None)
 

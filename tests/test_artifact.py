@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from flashdraft.artifact import (
+from flashdraft.artifact.atomic import atomic_open
+from flashdraft.artifact.manifest import (
     MANIFEST,
     Lineage,
-    atomic_open,
     build_manifest,
     check_done,
     list_data_files,
@@ -118,7 +118,8 @@ SLOW_WRITER = textwrap.dedent(
     """
     import sys, time
     from pathlib import Path
-    from flashdraft.artifact import atomic_open, build_manifest, write_manifest
+    from flashdraft.artifact.atomic import atomic_open
+    from flashdraft.artifact.manifest import build_manifest, write_manifest
     root = Path(sys.argv[1])
     (root / "done.txt").write_text("first file is complete")
     with atomic_open(root / "big.bin") as f:

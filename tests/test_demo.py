@@ -5,12 +5,12 @@ import json
 import pytest
 import yaml
 
-from flashdraft.artifact import MANIFEST, read_manifest, verify_dir
+from flashdraft.artifact.manifest import MANIFEST, read_manifest, verify_dir
 
 
 @pytest.mark.slow
 def test_embedded_target_is_converted_once_and_verified(tmp_path, monkeypatch):
-    from flashdraft.models import resolve_model
+    from flashdraft.model.resolve import resolve_model
 
     monkeypatch.setenv("FLASHDRAFT_CACHE", str(tmp_path / "cache"))
     lines = []

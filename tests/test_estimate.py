@@ -28,7 +28,7 @@ def _last_json(proc) -> dict:
 def test_estimate_of_a_local_config_matches_the_real_drafter(cli, tmp_path, tiny_model_dir):
     from transformers import AutoConfig
 
-    from flashdraft.drafter import DFlashDrafter, draft_config
+    from flashdraft.model.drafter import DFlashDrafter, draft_config
 
     config = tmp_path / "tiny.yaml"
     workdir = tmp_path / "work"

@@ -5,13 +5,15 @@ import json
 import pytest
 import torch
 
-from flashdraft.artifact import read_manifest, verify_dir
-from flashdraft.blocks import block_attention_mask, build_blocks
+from flashdraft.artifact.manifest import read_manifest, verify_dir
 from flashdraft.config import EvalConfig, TrainConfig
-from flashdraft.drafter import DFlashDrafter, draft_config
-from flashdraft.evaluate import SpecDecoder, run
-from flashdraft.export import save_drafter
-from flashdraft.train import Target, sequence_step
+from flashdraft.evaluate import run
+from flashdraft.evaluate.decode import SpecDecoder
+from flashdraft.model.drafter import DFlashDrafter, draft_config
+from flashdraft.model.export import save_drafter
+from flashdraft.model.objective import block_attention_mask, build_blocks
+from flashdraft.model.target import Target
+from flashdraft.train.step import sequence_step
 
 
 def quiet(_):
@@ -83,8 +85,8 @@ def test_overfit_drafter_accepts_many_tokens_and_stays_lossless(target, overfit_
 
 def test_reduced_draft_vocab_trains_exports_and_decodes_losslessly(target, tmp_path):
     """A drafter scoring only 64 target tokens: label mapping, export (d2t/t2d) and eval agree end to end."""
-    from flashdraft.export import load_drafter
-    from flashdraft.train import choose_draft_vocab
+    from flashdraft.model.export import load_drafter
+    from flashdraft.train.data import choose_draft_vocab
 
     ids, mask = continuation_sample(target)
     rows = [{"input_ids": ids.numpy(), "loss_mask": mask.numpy()}]

@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from flashdraft.artifact import MANIFEST, verify_dir
-from flashdraft.backends import HFBackend, split_reasoning
+from flashdraft.artifact.manifest import MANIFEST, verify_dir
 from flashdraft.config import GenerateConfig
-from flashdraft.prompts import Prompt, load_prompts
+from flashdraft.generate.backends import HFBackend, split_reasoning
+from flashdraft.generate.prompts import Prompt, load_prompts
 
 
 def prompts_file(path: Path, n: int) -> str:

@@ -4,7 +4,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from flashdraft.prompts import in_shard, load_prompts, normalize, prompt_id
+from flashdraft.generate.prompts import in_shard, load_prompts, normalize, prompt_id
 
 
 def write_jsonl(path, lines):

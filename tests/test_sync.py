@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 from rich.console import Console
 
-from flashdraft.artifact import MANIFEST, FileEntry, build_manifest, read_manifest, write_manifest
-from flashdraft.store import S3Store, StoreError, open_store
-from flashdraft.sync import VerifyFailed, pull, push, transfer_progress, verify_store
+from flashdraft.artifact.manifest import MANIFEST, FileEntry, build_manifest, read_manifest, write_manifest
+from flashdraft.artifact.store import S3Store, StoreError, open_store
+from flashdraft.artifact.sync import VerifyFailed, pull, push, transfer_progress, verify_store
 from flashdraft.testing import TcpForwarder
 
 
@@ -209,7 +209,7 @@ def test_local_directory_as_store(cli, tmp_path):
 
 KILLABLE_PUSH = """
 import sys, time
-import flashdraft.store as store
+import flashdraft.artifact.store as store
 real = store.S3Store.upload
 def slow(self, *a, **k):
     real(self, *a, **k)

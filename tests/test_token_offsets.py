@@ -3,7 +3,7 @@ from pathlib import Path
 import pytest
 from tokenizers import AddedToken, Tokenizer, models, normalizers, pre_tokenizers
 
-from flashdraft.token_offsets import ByteLengths, encode
+from flashdraft.tokenize.offsets import ByteLengths, encode
 
 # Multi-byte characters that byte-level BPE splits across tokens (emoji with a skin tone, a math letter),
 # CJK, a decomposed accent, and template markers between them.

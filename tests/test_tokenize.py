@@ -6,9 +6,11 @@ import numpy as np
 import pytest
 from transformers import AutoTokenizer
 
-from flashdraft.artifact import MANIFEST, read_manifest, verify_dir
+from flashdraft.artifact.manifest import MANIFEST, read_manifest, verify_dir
 from flashdraft.config import TokenizeConfig
-from flashdraft.tokenize import QualityGateFailed, Renderer, longest_run, run
+from flashdraft.tokenize import QualityGateFailed, run
+from flashdraft.tokenize.offsets import longest_run
+from flashdraft.tokenize.render import Renderer
 
 # Behaves as Qwen3's documented template: reasoning_content of turns after the last user query is rendered as
 # <think>…</think> ahead of the answer, earlier turns' reasoning is dropped, tool results go in a user turn,
@@ -176,7 +178,7 @@ def test_llama3_style_header_template(tmp_path, llama_tok_dir):
 
 
 def test_generate_artifact_input_checks_prompt_and_completion_tokens(tmp_path, smollm2_dir):
-    from flashdraft.artifact import build_manifest, write_manifest
+    from flashdraft.artifact.manifest import build_manifest, write_manifest
 
     tok = AutoTokenizer.from_pretrained(smollm2_dir)
     gen = tmp_path / "gen"
@@ -220,7 +222,7 @@ def test_output_is_identical_for_any_worker_count_and_loads_with_datasets(tmp_pa
 @pytest.mark.parametrize("template", TEMPLATE_FIXTURES)
 def test_masks_from_token_byte_lengths_equal_masks_from_offsets(tmp_path, monkeypatch, template, request):
     """The fast path (positions from token byte lengths) writes exactly what the offsets path writes."""
-    import flashdraft.token_offsets
+    import flashdraft.tokenize.offsets
 
     tokenizer = request.getfixturevalue(TEMPLATE_FIXTURES[template])
     records = [
@@ -239,7 +241,7 @@ def test_masks_from_token_byte_lengths_equal_masks_from_offsets(tmp_path, monkey
     src = write_jsonl(tmp_path / "c.jsonl", records)
     assert Renderer.load(tokenizer).byte_lengths is not None  # the fast path is the one taken by default
     run(cfg(tokenizer), src, tmp_path / "fast", log=lambda s: None)
-    monkeypatch.setattr(flashdraft.token_offsets.ByteLengths, "for_tokenizer", classmethod(lambda cls, b: None))
+    monkeypatch.setattr(flashdraft.tokenize.offsets.ByteLengths, "for_tokenizer", classmethod(lambda cls, b: None))
     run(cfg(tokenizer), src, tmp_path / "offsets", log=lambda s: None)
     fast, offsets = read_manifest(tmp_path / "fast"), read_manifest(tmp_path / "offsets")
     assert [(f.path, f.sha256) for f in fast.files] == [(f.path, f.sha256) for f in offsets.files]
@@ -327,7 +329,7 @@ def test_unreadable_input_is_a_clear_error(tmp_path, smollm2_dir):
 def test_written_schema_is_what_datasets_itself_describes():
     from datasets import Features, List, Value
 
-    from flashdraft.tokenize import FEATURES, arrow_schema
+    from flashdraft.tokenize.shards import FEATURES, arrow_schema
 
     expected = Features({"id": Value("string"), "input_ids": List(Value("int32")), "loss_mask": List(Value("uint8")),
                          "num_tokens": Value("int32")})  # fmt: skip

@@ -13,17 +13,19 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from flashdraft.artifact import build_manifest, read_manifest, verify_dir, write_manifest
-from flashdraft.blocks import (
+from flashdraft.artifact.manifest import build_manifest, read_manifest, verify_dir, write_manifest
+from flashdraft.config import TrainConfig
+from flashdraft.model.drafter import DFlashDrafter, draft_config, uniform_layer_ids
+from flashdraft.model.export import load_drafter, save_drafter
+from flashdraft.model.objective import (
     block_attention_mask,
     build_blocks,
     expected_acceptance_length,
     sample_anchors,
 )
-from flashdraft.config import TrainConfig
-from flashdraft.drafter import DFlashDrafter, draft_config, uniform_layer_ids
-from flashdraft.export import load_drafter, save_drafter
-from flashdraft.train import BadTrainingInput, Target, run, sequence_step
+from flashdraft.model.target import Target
+from flashdraft.train import BadTrainingInput, run
+from flashdraft.train.step import sequence_step
 
 VOCAB = 128
 
@@ -116,7 +118,7 @@ def test_flex_attention_block_mask_matches_the_dense_mask(tiny_target):
     with FlexAttention's eager implementation, forward only: torch has no FlexAttention backward on CPU."""
     from transformers import AutoConfig
 
-    from flashdraft.blocks import flex_block_mask
+    from flashdraft.model.objective import flex_block_mask
 
     torch.manual_seed(0)
     drafter = DFlashDrafter(draft_config(AutoConfig.from_pretrained(tiny_target), num_layers=2, block_size=8,
@@ -236,8 +238,8 @@ def test_metrics_go_to_jsonl_and_tensorboard_alike(tiny_target, tiny_dataset, tm
 def test_checkpoints_are_pushed_verified_and_old_ones_pruned(tiny_target, tiny_dataset, tmp_path, s3env):
     import uuid
 
-    from flashdraft.store import open_store
-    from flashdraft.sync import verify_store
+    from flashdraft.artifact.store import open_store
+    from flashdraft.artifact.sync import verify_store
 
     url = f"s3://flashdraft/t-{uuid.uuid4().hex[:10]}/train"
     out, lines = tmp_path / "out", []
@@ -256,7 +258,7 @@ def test_checkpoints_are_pushed_verified_and_old_ones_pruned(tiny_target, tiny_d
 
 
 def test_offline_features_are_the_online_ones_and_are_reused(tiny_target, tiny_dataset, tmp_path):
-    from flashdraft.features import FeatureCache
+    from flashdraft.train.feature_cache import FeatureCache
 
     online, offline = tmp_path / "online", tmp_path / "offline"
     run(tiny_cfg(tiny_target, max_steps=6), tiny_dataset, online, log=quiet)
@@ -282,7 +284,7 @@ def test_offline_features_are_the_online_ones_and_are_reused(tiny_target, tiny_d
 
 
 def test_device_settings_per_local_rank():
-    from flashdraft.train import for_rank
+    from flashdraft.train.distributed import for_rank
 
     assert for_rank("cuda:0;cuda:1", 1) == "cuda:1" and for_rank("cuda:2;cuda:3", 0) == "cuda:2"
     assert for_rank("cuda:0,cuda:1", 3) == "cuda:0,cuda:1"  # a spread, the same for every rank

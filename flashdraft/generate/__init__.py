@@ -22,12 +22,12 @@ from typing import Any
 
 from rich.console import Console
 
-from flashdraft.artifact import (
+from flashdraft.artifact.atomic import atomic_write_text
+from flashdraft.artifact.manifest import (
     MANIFEST,
     FileEntry,
     Lineage,
     ManifestError,
-    atomic_write_text,
     build_manifest,
     check_done,
     content_digest,
@@ -38,10 +38,10 @@ from flashdraft.artifact import (
     verify_dir,
     write_manifest,
 )
-from flashdraft.backends import Completion, make_backend
 from flashdraft.config import GenerateConfig
+from flashdraft.generate.backends import Completion, make_backend
+from flashdraft.generate.prompts import BUILTIN, Prompt, builtin_prompts, in_shard, load_prompts
 from flashdraft.progress import progress
-from flashdraft.prompts import BUILTIN, Prompt, builtin_prompts, in_shard, load_prompts
 
 CLAIM = ".flashdraft-generate.json"  # in-progress marker: which lineage the partial batches belong to
 
@@ -171,7 +171,7 @@ def run(
         f"{stats['rejected']} rejected, {stats['truncated']} truncated, {stats['completion_tokens']:,} tokens"
     )
     if store is not None:
-        from flashdraft.sync import push
+        from flashdraft.artifact.sync import push
 
         log(push(out, store, log=log).line())
     return stats
@@ -208,7 +208,7 @@ def _finalize(out: Path, num_batches: int, prompt_set, lineage: Lineage, cfg: Ge
 def _open_upload_store(url: str | None):
     if url is None:
         return None
-    from flashdraft.store import open_store
+    from flashdraft.artifact.store import open_store
 
     return open_store(url)
 

@@ -3,7 +3,7 @@
 `block_size`, `num_target_layers`, `dflash_config.{mask_token_id, target_layer_ids}`) + `model.safetensors`
 (fc, hidden_norm, layers.*, norm — the embedding and LM head are the target's).
 
-    from flashdraft.export import save_drafter, load_drafter
+    from flashdraft.model.export import save_drafter, load_drafter
 """
 
 from __future__ import annotations
@@ -16,8 +16,9 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import Qwen3Config
 
-from flashdraft.artifact import INTERNAL_PREFIX, atomic_write_text, build_manifest, write_manifest
-from flashdraft.drafter import DFlashDrafter
+from flashdraft.artifact.atomic import INTERNAL_PREFIX, atomic_write_text
+from flashdraft.artifact.manifest import build_manifest, write_manifest
+from flashdraft.model.drafter import DFlashDrafter
 
 REQUIRED = ("block_size", "num_target_layers", "dflash_config")
 

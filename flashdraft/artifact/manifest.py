@@ -13,7 +13,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import secrets
+import shutil
 from collections.abc import Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
@@ -26,63 +26,13 @@ from awscrt.checksums import crc64nvme
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from flashdraft import __version__
+from flashdraft.artifact.atomic import INTERNAL_PREFIX, atomic_write_text
 
 MANIFEST = "manifest.json"
-# Names flashdraft uses for its own bookkeeping (temp files, in-progress markers). Never data, never listed.
-INTERNAL_PREFIX = ".flashdraft-"
 HASH_CHUNK = 8 << 20  # bytes read at a time: memory per hashing thread stays at one chunk
 
 Kind = Literal["completions", "dataset", "checkpoint", "drafter", "eval", "files", "model", "features"]
 KINDS: tuple[str, ...] = get_args(Kind)
-
-
-# ---------------------------------------------------------------------------------------------- writes
-
-
-def _fsync_dir(directory: Path) -> None:
-    fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def temp_path_for(path: Path) -> Path:
-    """A unique sibling name for `path` that verify and listings ignore."""
-    return path.with_name(f"{INTERNAL_PREFIX}tmp-{os.getpid()}-{secrets.token_hex(4)}-{path.name}")
-
-
-@contextmanager
-def atomic_open(path: str | Path, mode: str = "wb", **kwargs: Any) -> Iterator[Any]:
-    """Open a temp sibling of `path`; on success fsync it and rename it over `path`.
-
-    On any exception (or if the process dies) `path` is untouched and the temp file is removed
-    (or, after SIGKILL, left under an internal name that nothing reads).
-    """
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = temp_path_for(path)
-    f = open(tmp, mode, **kwargs)  # closed on both paths below
-    try:
-        yield f
-        f.flush()
-        os.fsync(f.fileno())
-        f.close()
-        os.replace(tmp, path)
-        _fsync_dir(path.parent)
-    except BaseException:
-        f.close()
-        tmp.unlink(missing_ok=True)
-        raise
-
-
-def atomic_write_bytes(path: str | Path, data: bytes) -> None:
-    with atomic_open(path, "wb") as f:
-        f.write(data)
-
-
-def atomic_write_text(path: str | Path, text: str) -> None:
-    atomic_write_bytes(path, text.encode("utf-8"))
 
 
 # ---------------------------------------------------------------------------------------------- hashing
@@ -242,6 +192,28 @@ def write_manifest(root: str | Path, manifest: Manifest) -> str:
     text = manifest.to_json()
     atomic_write_text(Path(root) / MANIFEST, text)
     return hashlib.sha256(text.encode("utf-8")).hexdigest()
+
+
+@contextmanager
+def commit_dir(
+    final: str | Path, kind: Kind, *, stats: dict[str, Any] | None = None, lineage: Lineage | None = None
+) -> Iterator[Path]:
+    """Build a whole artifact in a temp sibling directory; when the block succeeds, describe it in a manifest
+    and rename it over `final` in one step. A crash leaves the old artifact or nothing, never a mix. `stats`
+    is read after the block, so the block may fill it in."""
+    final = Path(final)
+    tmp = final.with_name(f"{INTERNAL_PREFIX}tmp-{os.getpid()}-{final.name}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    try:
+        yield tmp
+        write_manifest(tmp, build_manifest(tmp, kind=kind, stats=stats, lineage=lineage))
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    if final.exists():
+        shutil.rmtree(final)
+    os.replace(tmp, final)
 
 
 def parse_manifest(raw: bytes) -> Manifest:

@@ -1,6 +1,6 @@
 """Prompt sets: read JSONL / Parquet / `save_to_disk` directories into normalized chat prompts.
 
-    from flashdraft.prompts import load_prompts
+    from flashdraft.generate.prompts import load_prompts
     prompts, rejected, duplicates = load_prompts("data/prompts.jsonl")
 
 Accepted record forms: OpenAI `messages` ([{role, content}]), ShareGPT `conversations` ([{from, value}]), or a
@@ -11,17 +11,14 @@ records are returned with their line number and the reason, never silently skipp
 
 from __future__ import annotations
 
-import hashlib
-import json
 import random
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-ROLES = {"system", "user", "assistant", "tool"}
-SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
-                  "system": "system", "tool": "tool", "function": "tool"}  # fmt: skip
+from flashdraft.records import SHAREGPT_ROLES, BadRecord, check_turn, jsonl_lines, parse_json, prompt_id
+
 BUILTIN = "builtin:"
 
 
@@ -49,15 +46,6 @@ class PromptSet:
     duplicates: int = 0
 
 
-class BadRecord(ValueError):
-    """A record that cannot become a prompt; the message is the reason written to rejected.jsonl."""
-
-
-def prompt_id(messages: list[dict[str, str]]) -> str:
-    canonical = json.dumps(messages, sort_keys=True, ensure_ascii=False, separators=(",", ":"))
-    return hashlib.sha256(canonical.encode("utf-8")).hexdigest()[:16]
-
-
 def normalize(record: Any) -> Prompt:
     """One input record → a Prompt, or BadRecord saying why not."""
     if not isinstance(record, dict):
@@ -80,15 +68,7 @@ def normalize(record: Any) -> Prompt:
 
     messages = []
     for i, turn in enumerate(turns):
-        if not isinstance(turn, dict):
-            raise BadRecord(f"turn {i} is not an object")
-        role = turn.get(role_key)
-        role = role_map.get(role, role) if role_map and isinstance(role, str) else role
-        if role not in ROLES:
-            raise BadRecord(f"turn {i}: unknown role {turn.get(role_key)!r}")
-        content = turn.get(content_key)
-        if not isinstance(content, str):
-            raise BadRecord(f"turn {i}: content is {type(content).__name__}, not a string")
+        role, content = check_turn(i, turn, role_key, content_key, role_map)
         messages.append({"role": role, "content": content})
 
     if messages[-1]["role"] == "assistant":
@@ -103,19 +83,12 @@ def normalize(record: Any) -> Prompt:
 
 def _jsonl_records(path: Path) -> Iterator[tuple[int, Any, str]]:
     """(line number, parsed record or BadRecord, raw text) for every non-blank line."""
-    with open(path, "rb") as f:
-        for number, raw in enumerate(f, start=1):
-            try:
-                text = raw.decode("utf-8")
-            except UnicodeDecodeError as e:
-                yield number, BadRecord(f"not UTF-8 (byte {e.start})"), raw[:200].decode("utf-8", "replace")
-                continue
-            if not text.strip():
-                continue
-            try:
-                yield number, json.loads(text), text
-            except json.JSONDecodeError as e:
-                yield number, BadRecord(f"malformed JSON: {e.msg} at column {e.colno}"), text
+    for number, raw in jsonl_lines(path):
+        text = raw.decode("utf-8", "replace")  # for rejected.jsonl: what the line says, as far as it can be read
+        try:
+            yield number, parse_json(raw), text
+        except BadRecord as e:
+            yield number, e, text
 
 
 def _table_records(path: Path) -> Iterator[tuple[int, Any, str]]:

@@ -22,14 +22,13 @@ from pathlib import Path
 from rich.console import Console
 from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TransferSpeedColumn
 
-from flashdraft.artifact import (
+from flashdraft.artifact.atomic import atomic_write_bytes, atomic_write_text
+from flashdraft.artifact.manifest import (
     MANIFEST,
     FileEntry,
     Manifest,
     ManifestError,
     Problem,
-    atomic_write_bytes,
-    atomic_write_text,
     build_manifest,
     digest_files,
     list_data_files,
@@ -39,7 +38,7 @@ from flashdraft.artifact import (
     verify_dir,
     write_manifest,
 )
-from flashdraft.store import DEFAULT_PART_SIZE, Listed, Remote, StoreError
+from flashdraft.artifact.store import DEFAULT_PART_SIZE, Listed, Remote, StoreError
 
 
 @dataclass

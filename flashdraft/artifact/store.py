@@ -18,7 +18,8 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from flashdraft.artifact import (
+from flashdraft.artifact.atomic import temp_path_for
+from flashdraft.artifact.manifest import (
     HASH_CHUNK,
     MANIFEST,
     FileEntry,
@@ -26,7 +27,6 @@ from flashdraft.artifact import (
     digest_file,
     is_internal,
     list_data_files,
-    temp_path_for,
 )
 
 Progress = Callable[[int], None]  # called with a number of bytes just moved
@@ -116,7 +116,7 @@ class LocalStore:
             return None
 
     def put_manifest(self, data: bytes) -> None:
-        from flashdraft.artifact import atomic_write_bytes
+        from flashdraft.artifact.atomic import atomic_write_bytes
 
         atomic_write_bytes(self.root / MANIFEST, data)
 

@@ -111,3 +111,61 @@ def encode(backend: Any, lengths: ByteLengths | None, texts: list[str]) -> list[
         located = lengths.locate(text, fast.ids)
         out.append(located if located is not None else backend.encode(text, add_special_tokens=False))
     return out
+
+
+# ---------------------------------------------------------------------------------------------- masks
+
+
+def mask_from_spans(encoding: Any, ids: np.ndarray, spans: list[tuple[int, int]], stop_ids: set[int]) -> np.ndarray:
+    """Supervised tokens: those starting inside a span, up to and including the span's first stop token."""
+    mask = np.zeros(len(ids), dtype=np.uint8)
+    for start, end in spans:
+        first = _token_at_or_after(encoding, start, end)
+        last = _token_at_or_before(encoding, end - 1, start)
+        if first is None or last is None or last < first:
+            continue
+        turn = ids[first : last + 1]
+        stops = [int(np.argmax(hit)) for hit in (turn == stop for stop in stop_ids) if hit.any()]
+        if stops:
+            last = first + min(stops)
+        mask[first : last + 1] = 1
+    return mask
+
+
+def _token_at_or_after(encoding: Any, char: int, limit: int) -> int | None:
+    while char < limit:
+        token = encoding.char_to_token(char)
+        if token is not None:
+            return token
+        char += 1  # a character no token covers (stripped by a normalizer): look at the next one
+    return None
+
+
+def _token_at_or_before(encoding: Any, char: int, limit: int) -> int | None:
+    while char >= limit:
+        token = encoding.char_to_token(char)
+        if token is not None:
+            return token
+        char -= 1
+    return None
+
+
+PROMPT_CHECK_TOKENS = 8
+
+
+def prompt_tail(encoding: Any, prompt_text: str) -> tuple[int, int, str]:
+    """(first token checked, prompt length in tokens, the prompt text from that token's start)."""
+    end = len(prompt_text)
+    n_prompt = _token_at_or_after(encoding, end, end + 64) if end else 0
+    n_prompt = len(encoding.ids) if n_prompt is None else n_prompt
+    first = max(0, n_prompt - PROMPT_CHECK_TOKENS)
+    start = encoding.token_to_chars(first)[0] if n_prompt else 0
+    return first, n_prompt, prompt_text[start:]
+
+
+def longest_run(mask: np.ndarray) -> int:
+    if not mask.any():
+        return 0
+    padded = np.concatenate(([0], mask.astype(np.int8), [0]))
+    edges = np.flatnonzero(np.diff(padded))
+    return int((edges[1::2] - edges[::2]).max())

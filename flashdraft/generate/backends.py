@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from flashdraft.config import EMBEDDED_TARGET, GenerateConfig
-from flashdraft.prompts import Prompt
+from flashdraft.generate.prompts import Prompt
 
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 
@@ -61,7 +61,7 @@ class HFBackend:
         import torch
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
-        from flashdraft.models import resolve_model
+        from flashdraft.model.resolve import resolve_model
 
         self.cfg = cfg
         path = resolve_model(cfg.model, log=log)
@@ -222,7 +222,7 @@ class VLLMBackend:
             raise RuntimeError(
                 "the vllm backend needs vllm (GPU machines): pip install vllm — or use --backend hf / openai"
             ) from None
-        from flashdraft.models import resolve_model
+        from flashdraft.model.resolve import resolve_model
 
         self.cfg = cfg
         self.model_name = cfg.model

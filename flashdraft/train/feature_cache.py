@@ -15,22 +15,18 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from flashdraft.artifact import (
-    INTERNAL_PREFIX,
-    Lineage,
-    atomic_write_text,
-    build_manifest,
-    check_done,
-    write_manifest,
-)
+from flashdraft.artifact.atomic import atomic_write_text
+from flashdraft.artifact.manifest import Lineage, check_done, commit_dir, identity, manifest_digest, sha256_json
+from flashdraft.config import TrainConfig
+from flashdraft.model.target import Target
 from flashdraft.progress import progress
+from flashdraft.train.distributed import Placement, barrier
 
 DATA, INDEX = "features.bin", "index.json"
 
@@ -50,7 +46,8 @@ class FeatureCache:
         return raw.view(torch.bfloat16).float()
 
 
-def cache_bytes(tokens: int, layers: int, hidden: int) -> int:
+def feature_bytes(tokens: int, layers: int, hidden: int) -> int:
+    """Bytes of cached bf16 features: tokens × layers × hidden × 2 (also what `flashdraft estimate` states)."""
     return tokens * layers * hidden * 2
 
 
@@ -73,25 +70,32 @@ def build_or_reuse(
 
     lengths = [min(n, max_length) for n in pc.list_value_length(dataset.data.column("input_ids")).to_pylist()]
     layers, hidden = len(target.layer_ids), target.config.hidden_size
-    size = cache_bytes(sum(lengths), layers, hidden)
+    size = feature_bytes(sum(lengths), layers, hidden)
     log(f"features: caching {sum(lengths):,} tokens × {layers} layers × {hidden} × 2 bytes = {size / 1e6:,.1f} MB")
-    tmp = out.with_name(f"{INTERNAL_PREFIX}tmp-{os.getpid()}-{out.name}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
     starts = np.concatenate([[0], np.cumsum(lengths)[:-1]]).tolist() if lengths else []
-    with open(tmp / DATA, "wb") as f, progress(console, "features", total=len(lengths)) as update:
-        for i, length in enumerate(lengths):
-            ids = torch.as_tensor(dataset[i]["input_ids"][:length]).long()
-            with torch.no_grad():
-                features = target.features(ids[None])[0].to("cpu", torch.bfloat16)
-            f.write(features.view(torch.int16).numpy().tobytes())
-            update(advance=1)
-        f.flush()
-        os.fsync(f.fileno())
-    atomic_write_text(tmp / INDEX, json.dumps({"starts": starts, "lengths": lengths, "width": layers * hidden}))
     stats = {"samples": len(lengths), "tokens": sum(lengths), "width": layers * hidden, "layer_ids": target.layer_ids}
-    write_manifest(tmp, build_manifest(tmp, kind="features", stats=stats, lineage=lineage))
-    if out.exists():
-        shutil.rmtree(out)
-    os.replace(tmp, out)
+    with commit_dir(out, "features", stats=stats, lineage=lineage) as tmp:
+        with open(tmp / DATA, "wb") as f, progress(console, "features", total=len(lengths)) as update:
+            for i, length in enumerate(lengths):
+                ids = torch.as_tensor(dataset[i]["input_ids"][:length]).long()
+                with torch.no_grad():
+                    features = target.features(ids[None])[0].to("cpu", torch.bfloat16)
+                f.write(features.view(torch.int16).numpy().tobytes())
+                update(advance=1)
+            f.flush()
+            os.fsync(f.fileno())
+        atomic_write_text(tmp / INDEX, json.dumps({"starts": starts, "lengths": lengths, "width": layers * hidden}))
     return FeatureCache(out)
+
+
+def offline_features(cfg: TrainConfig, data: Path, out: Path, target: Target, target_path: str, dataset,
+                     place: Placement, console, log) -> FeatureCache:
+    """The offline cache under `out/features`: rank 0 builds (or reuses) it, the other ranks then read it."""
+    lineage = Lineage(
+        inputs=[manifest_digest(data)],
+        config=sha256_json({"target": identity(target_path), "layers": target.layer_ids, "max_length": cfg.max_length}),
+    )
+    if place.rank == 0:
+        build_or_reuse(out / "features", target, dataset, cfg.max_length, lineage, console=console, log=log)
+    barrier(place.world)
+    return FeatureCache(out / "features")

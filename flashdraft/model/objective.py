@@ -78,6 +78,12 @@ def weighted_loss(logits_SV: torch.Tensor, labels_S: torch.Tensor, weights_S: to
     return (ce * weights_S).sum() / weights_S.sum().clamp(min=1e-8)
 
 
+def acceptance_length(accepted_drafts: list[int]) -> float:
+    """τ measured: mean tokens emitted per target verify pass, given the drafts accepted at each pass (each
+    pass also emits the target's own bonus token). Used by eval's decoder and its report."""
+    return sum(n + 1 for n in accepted_drafts) / max(1, len(accepted_drafts))
+
+
 def expected_acceptance_length(accept_rate_by_position: list[float]) -> float:
     """τ expected from per-position acceptance rates (block positions 1..K−1, each conditional on the earlier
     ones being accepted): 1 bonus token + Σ_k Π_{j≤k} rate_j. Shared by training metrics and eval reports."""

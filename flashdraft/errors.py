@@ -1,0 +1,15 @@
+"""The one base class for expected failures: bad input, a failed verification, an unreachable store.
+
+The CLI prints an `ExpectedFailure` as one line (`error: …`) and exits 1. Anything else that escapes a command
+is a bug, and keeps its traceback so it can be reported and fixed.
+"""
+
+from __future__ import annotations
+
+
+class ExpectedFailure(Exception):
+    """A failure the user can act on; the message says what is wrong and, where it helps, what to do."""
+
+
+class BadInput(ExpectedFailure):
+    """An input (file, directory, artifact, model reference, setting) that this stage cannot use."""

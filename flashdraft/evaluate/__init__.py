@@ -1,0 +1,116 @@
+"""eval: lossless DFlash speculative decoding, and the acceptance-length report users judge a drafter by.
+
+    flashdraft eval --drafter work/train/drafter --prompts builtin:demo-heldout --out work/eval
+
+One decoding step (`SpecDecoder.generate`): the drafter proposes K−1 tokens in one pass from
+[anchor, MASK…] over its cached context; the target verifies [anchor, drafts] in one pass; the longest
+matching prefix is accepted plus the target's own next token (the bonus, the next anchor); the target's KV
+cache is cropped to what was accepted and the accepted positions' features are appended to the drafter's
+context cache. Greedy output is checked token for token against target-only greedy decoding; with
+temperature > 0, drafts are accepted with probability min(1, p/q) and rejections resampled from (p − q)+, so
+every emitted token is a sample of the target's distribution.
+
+Report (`report.json`, PNG plots, manifest stats): `acceptance_length` τ (tokens per target verify pass),
+acceptance rate by block position, τ histogram, tokens/s and `speedup` against target-only decoding and
+against prompt-lookup decoding, per prompt category.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from flashdraft.artifact.atomic import atomic_write_text
+from flashdraft.artifact.manifest import (
+    Lineage,
+    build_manifest,
+    check_done,
+    identity,
+    read_manifest,
+    sha256_json,
+    write_manifest,
+)
+from flashdraft.config import EvalConfig
+from flashdraft.evaluate.decode import SpecDecoder, target_only
+from flashdraft.evaluate.report import plot, summarize
+from flashdraft.model.export import load_drafter
+from flashdraft.model.target import Target
+
+
+def run(
+    cfg: EvalConfig,
+    drafter_dir: Path,
+    out: Path,
+    *,
+    target_ref: str | None = None,
+    log: Callable[[str], None] = print,
+) -> dict[str, Any]:
+    from transformers import AutoTokenizer
+
+    from flashdraft.generate.prompts import load_prompts
+    from flashdraft.model.resolve import resolve_model
+
+    drafter_dir, out = Path(drafter_dir), Path(out)
+    if not (drafter_dir / "config.json").is_file():
+        raise FileNotFoundError(f"{drafter_dir} holds no drafter (config.json): run `flashdraft train` first")
+    target_path = resolve_model(target_ref or cfg.target, log=log)
+    lineage = Lineage(
+        inputs=[identity(drafter_dir)], config=sha256_json({"eval": cfg.model_dump(), "target": target_path})
+    )
+    decision = check_done(out, lineage)
+    log(decision.line("eval", out))
+    if decision.done:
+        return read_manifest(out).stats
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    target = Target(target_path, device, log)
+    drafter = load_drafter(drafter_dir, device=device, dtype=target.model.dtype)
+    if drafter.config.num_target_layers != target.config.num_hidden_layers:
+        raise ValueError(
+            f"the drafter was trained for a {drafter.config.num_target_layers}-layer target; "
+            f"{target_path} has {target.config.num_hidden_layers} layers"
+        )
+    tokenizer = AutoTokenizer.from_pretrained(target_path)
+    eos = target.model.generation_config.eos_token_id
+    stop_ids = set(eos if isinstance(eos, list) else [eos]) | {tokenizer.eos_token_id}
+    stop_ids.discard(None)
+    decoder = SpecDecoder(target, drafter, stop_ids)
+    prompts = load_prompts(cfg.prompts).prompts[: cfg.max_prompts]
+
+    per_prompt = []
+    generator = torch.Generator(device=device).manual_seed(cfg.seed)
+    log(f"eval: {len(prompts)} prompts, {cfg.max_new_tokens} new tokens each, temperature {cfg.temperature}")
+    for prompt in prompts:
+        rendered = tokenizer.apply_chat_template(prompt.messages, add_generation_prompt=True, tokenize=True,
+                                                 return_dict=True, enable_thinking=cfg.thinking)  # fmt: skip
+        ids = list(rendered["input_ids"])
+        # Interleaved per prompt, so drift in machine load hits every method alike.
+        spec = decoder.generate(ids, cfg.max_new_tokens, cfg.temperature, generator)
+        base, base_s, _ = target_only(target, ids, cfg.max_new_tokens)
+        pld, pld_s, pld_calls = target_only(target, ids, cfg.max_new_tokens, lookup=cfg.prompt_lookup_tokens)
+        per_prompt.append({
+            "id": prompt.id, "category": prompt.category or "all", "tokens": len(spec.tokens),
+            "accepted": spec.accepted, "spec_seconds": spec.seconds, "target_seconds": base_s,
+            "target_tokens": len(base), "lookup_seconds": pld_s, "lookup_tokens": len(pld),
+            "lookup_forwards": pld_calls,
+            "lossless": spec.tokens == base[: len(spec.tokens)] and len(spec.tokens) == len(base)
+            if cfg.temperature <= 0 else None,
+        })  # fmt: skip
+
+    report = summarize(per_prompt, drafter.block_size, cfg)
+    out.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(out / "report.json", json.dumps({**report, "prompts": per_prompt}, indent=1))
+    plot(report, out)
+    stats = {key: report[key] for key in ("acceptance_length", "lossless", "speedup", "lookup_acceptance_length",
+                                          "lookup_speedup", "prompts", "tokens_per_s")}  # fmt: skip
+    write_manifest(out, build_manifest(out, kind="eval", stats=stats, lineage=lineage))
+    log(
+        f"eval: done, verified — {out}: τ {report['acceptance_length']:.2f}, speedup {report['speedup']:.2f}× vs "
+        f"target-only, lossless {report['lossless']}; prompt lookup τ {report['lookup_acceptance_length']:.2f}, "
+        f"{report['lookup_speedup']:.2f}×"
+    )
+    return stats

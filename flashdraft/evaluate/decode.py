@@ -1,0 +1,141 @@
+"""Lossless DFlash speculative decoding of one prompt, and the target-only / prompt-lookup baselines.
+
+One step (`SpecDecoder.generate`): the drafter proposes K−1 tokens in one pass from [anchor, MASK…] over its
+cached context; the target verifies [anchor, drafts] in one pass; the longest matching prefix is accepted plus
+the target's own next token (the bonus, the next anchor); the target's KV cache is cropped to what was accepted
+and the accepted positions' features are appended to the drafter's context cache. With temperature > 0 drafts
+are accepted with probability min(1, p/q) and rejections resampled from (p − q)+.
+"""
+
+from __future__ import annotations
+
+import inspect
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from flashdraft.model.drafter import DFlashDrafter
+from flashdraft.model.objective import acceptance_length
+from flashdraft.model.target import Target
+
+
+@dataclass
+class Decoded:
+    tokens: list[int]
+    accepted: list[int] = field(default_factory=list)  # drafts accepted at each verify step (0..K−1)
+    seconds: float = 0.0
+
+    @property
+    def acceptance_length(self) -> float:
+        return acceptance_length(self.accepted)
+
+
+class SpecDecoder:
+    """Speculative decoding of one prompt at a time with a DFlash drafter over the frozen target."""
+
+    def __init__(self, target: Target, drafter: DFlashDrafter, stop_ids: set[int]) -> None:
+        self.target, self.drafter, self.stop_ids = target, drafter.eval(), stop_ids
+        target.watch(drafter.target_layer_ids)
+        self.embed = target.model.get_input_embeddings()
+        self.lm_head = target.model.lm_head
+        self.draft_head = target.head_weight(drafter)  # the LM head rows the drafter scores with, selected once
+        # transformers ≥ 5.2x names the cache argument `cache`; earlier releases `past_key_values`.
+        params = inspect.signature(target.model.model.forward).parameters
+        self.cache_kwarg = "cache" if "cache" in params else "past_key_values"
+
+    def _target_pass(self, ids_BT: torch.Tensor, cache) -> tuple[torch.Tensor, torch.Tensor]:
+        """Logits and watched-layer features of new tokens, extending the target's KV cache."""
+        out, features = self.target.forward(ids_BT, **{self.cache_kwarg: cache}, use_cache=True)
+        return self.lm_head(out.last_hidden_state), features
+
+    @torch.inference_mode()
+    def generate(self, prompt_ids: list[int], max_new_tokens: int, temperature: float = 0.0, generator=None) -> Decoded:
+        from transformers import DynamicCache
+
+        k, started = self.drafter.block_size, time.perf_counter()
+        device = self.lm_head.weight.device
+        cache = DynamicCache(config=self.target.config)
+        logits, features = self._target_pass(torch.tensor([prompt_ids], device=device), cache)
+        ctx_kv = self.drafter.context_kv(features, torch.arange(len(prompt_ids), device=device)[None])
+        anchor = int(_pick(logits[0, -1], temperature, generator))
+        tokens, accepted, position = [anchor], [], len(prompt_ids)  # position: where the anchor sits
+        while len(tokens) < max_new_tokens and anchor not in self.stop_ids:
+            block = torch.full((1, k), self.drafter.mask_token_id, device=device)
+            block[0, 0] = anchor
+            positions = torch.arange(position, position + k, device=device)[None]
+            hidden = self.drafter.decode(self.embed(block), positions, None, ctx_kv=ctx_kv)
+            draft_logits = self.drafter.to_target_vocab(  # K−1 proposals, each for its own position
+                hidden[0, 1:].to(self.draft_head.dtype) @ self.draft_head.T, self.target.config.vocab_size
+            )
+            drafts = _pick(draft_logits, temperature, generator)
+            block[0, 1:] = drafts
+            target_logits, features = self._target_pass(block, cache)
+            n, bonus = _verify(drafts, draft_logits, target_logits[0], temperature, generator)
+            # Keep the anchor and the accepted drafts. A negative crop removes that many trailing tokens
+            # in every transformers release (newer ones accept nothing else).
+            if k - n - 1 > 0:
+                cache.crop(-(k - n - 1))
+            new_kv = self.drafter.context_kv(features[:, : n + 1], positions[:, : n + 1])
+            ctx_kv = [(torch.cat([k0, k1], dim=2), torch.cat([v0, v1], dim=2))
+                      for (k0, v0), (k1, v1) in zip(ctx_kv, new_kv, strict=True)]  # fmt: skip
+            emitted = drafts[:n].tolist() + [bonus]
+            tokens.extend(emitted)
+            accepted.append(n)
+            position, anchor = position + n + 1, bonus
+            if self.stop_ids & set(emitted):
+                first_stop = next(i for i, t in enumerate(tokens) if t in self.stop_ids)
+                tokens = tokens[: first_stop + 1]
+                break
+        return Decoded(tokens[:max_new_tokens], accepted, time.perf_counter() - started)
+
+
+def _pick(logits: torch.Tensor, temperature: float, generator) -> torch.Tensor:
+    if temperature <= 0:
+        return logits.argmax(-1)
+    probs = torch.softmax(logits.float() / temperature, dim=-1)
+    return torch.multinomial(probs.view(-1, probs.shape[-1]), 1, generator=generator).view(probs.shape[:-1])
+
+
+def _verify(drafts, draft_logits, target_logits, temperature: float, generator) -> tuple[int, int]:
+    """(accepted drafts n, bonus token). target_logits[j] is the target's distribution for block position j+1."""
+    if temperature <= 0:
+        predicted = target_logits.argmax(-1)
+        matches = (drafts == predicted[:-1]).int()
+        n = int(matches.cumprod(0).sum())
+        return n, int(predicted[n])
+    p = torch.softmax(target_logits.float() / temperature, dim=-1)
+    q = torch.softmax(draft_logits.float() / temperature, dim=-1)
+    for j, token in enumerate(drafts.tolist()):
+        u = torch.rand((), generator=generator, device=p.device)
+        if u * q[j, token] <= p[j, token]:  # accept with probability min(1, p/q)
+            continue
+        residual = (p[j] - q[j]).clamp(min=0)
+        residual = residual / residual.sum() if residual.sum() > 0 else p[j]
+        return j, int(torch.multinomial(residual, 1, generator=generator))
+    return len(drafts), int(torch.multinomial(p[-1], 1, generator=generator))
+
+
+# ---------------------------------------------------------------------------------------------- baselines
+
+
+def counted_forwards(target: Target):
+    """Count the target's forward passes (for prompt lookup's τ)."""
+    calls = [0]
+    handle = target.model.model.register_forward_pre_hook(lambda *a: calls.__setitem__(0, calls[0] + 1))
+    return calls, handle
+
+
+@torch.inference_mode()
+def target_only(target: Target, prompt_ids: list[int], max_new_tokens: int, lookup: int = 0) -> tuple[list, float, int]:
+    """Greedy target-only (or prompt-lookup) decoding: (new tokens, seconds, target forwards)."""
+    device = target.model.lm_head.weight.device
+    calls, handle = counted_forwards(target)
+    kwargs = {"prompt_lookup_num_tokens": lookup} if lookup else {}
+    started = time.perf_counter()
+    out = target.model.generate(torch.tensor([prompt_ids], device=device), max_new_tokens=max_new_tokens,
+                                do_sample=False, **kwargs)  # fmt: skip
+    seconds = time.perf_counter() - started
+    handle.remove()
+    target.discard_features()
+    return out[0, len(prompt_ids) :].tolist(), seconds, calls[0]

@@ -1,0 +1,72 @@
+"""The eval report: τ, acceptance by position, τ histogram, speedups, per category; and its two PNG plots."""
+
+from __future__ import annotations
+
+from collections import Counter, defaultdict
+from pathlib import Path
+from typing import Any
+
+from flashdraft.artifact.atomic import atomic_open
+from flashdraft.config import EvalConfig
+from flashdraft.model.objective import acceptance_length, expected_acceptance_length
+
+
+def summarize(per_prompt: list[dict], block_size: int, cfg: EvalConfig) -> dict[str, Any]:
+    def block(rows: list[dict]) -> dict[str, Any]:
+        steps = [n for r in rows for n in r["accepted"]]
+        reach = [sum(n >= k for n in steps) for k in range(block_size)]  # reach[k]: steps with ≥ k accepted
+        by_position = [reach[k] / len(steps) if steps else 0.0 for k in range(1, block_size)]
+        conditional = [reach[k] / reach[k - 1] if reach[k - 1] else float("nan") for k in range(1, block_size)]
+        spec_s, base_s = sum(r["spec_seconds"] for r in rows), sum(r["target_seconds"] for r in rows)
+        pld_s = sum(r["lookup_seconds"] for r in rows)
+        pld_tokens = sum(r["lookup_tokens"] - 1 for r in rows)
+        pld_forwards = sum(r["lookup_forwards"] - 1 for r in rows)
+        lossless = [r["lossless"] for r in rows if r["lossless"] is not None]
+        return {
+            "prompts": len(rows),
+            "acceptance_length": acceptance_length(steps),
+            "acceptance_length_from_rates": expected_acceptance_length(conditional),
+            "acceptance_by_position": [round(x, 4) for x in by_position],
+            "tau_histogram": dict(sorted(Counter(n + 1 for n in steps).items())),
+            "tokens_per_s": sum(r["tokens"] for r in rows) / max(spec_s, 1e-9),
+            "target_tokens_per_s": sum(r["target_tokens"] for r in rows) / max(base_s, 1e-9),
+            "speedup": base_s / max(spec_s, 1e-9),
+            "lookup_acceptance_length": pld_tokens / max(1, pld_forwards),
+            "lookup_speedup": base_s / max(pld_s, 1e-9),
+            "lossless": all(lossless) if lossless else None,
+        }
+
+    report = block(per_prompt)
+    categories = defaultdict(list)
+    for row in per_prompt:
+        categories[row["category"]].append(row)
+    if len(categories) > 1:
+        report["by_category"] = {name: block(rows) for name, rows in sorted(categories.items())}
+    report["config"] = cfg.model_dump()
+    return report
+
+
+def plot(report: dict[str, Any], out: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    rates = report["acceptance_by_position"]
+    ax.bar(range(1, len(rates) + 1), rates, color="#3b7dd8")
+    ax.set(xlabel="block position k", ylabel="P(≥ k drafts accepted)", ylim=(0, 1),
+           title=f"acceptance by position — τ = {report['acceptance_length']:.2f}")  # fmt: skip
+    fig.tight_layout()
+    with atomic_open(out / "acceptance_by_position.png") as f:
+        fig.savefig(f, format="png", dpi=120)
+    plt.close(fig)
+
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    hist = report["tau_histogram"]
+    ax.bar([int(k) for k in hist], list(hist.values()), color="#2a9d8f")
+    ax.set(xlabel="tokens emitted per target pass", ylabel="steps", title="τ per decoding step")
+    fig.tight_layout()
+    with atomic_open(out / "tau_histogram.png") as f:
+        fig.savefig(f, format="png", dpi=120)
+    plt.close(fig)

@@ -1,0 +1,75 @@
+"""The frozen target: where its language model, embedding and LM head live, and its features by forward hooks.
+
+    target = Target(resolve_model("embedded"), "cpu", log=print)
+    target.watch([1, 8, 14]); features_BTF = target.features(input_ids_BT)
+
+Features of watched layer i are that decoder layer's output, i.e. `hidden_states[i + 1]` in HF indexing,
+concatenated over the watched layers (B × T × n·D).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from flashdraft.model.drafter import DFlashDrafter
+
+
+class Target:
+    """The frozen target: features from chosen layers via forward hooks, plus its embedding and LM head."""
+
+    def __init__(self, path: str, device: str, log: Callable[[str], None]) -> None:
+        from transformers import AutoModelForCausalLM
+
+        self.path = path
+        many = "," in device  # "cuda:0,cuda:1": spread the target's layers over those devices
+        kwargs = {"device_map": "auto", "max_memory": _memory_map(device)} if many else {}
+        dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
+        self.model = AutoModelForCausalLM.from_pretrained(self.path, dtype=dtype, **kwargs).eval()
+        if not many:
+            self.model.to(device)
+        self.model.requires_grad_(False)
+        self.config = self.model.config
+        self._captured: dict[int, torch.Tensor] = {}
+        self._hooks: list = []
+
+    def watch(self, layer_ids: list[int]) -> None:
+        for handle in self._hooks:
+            handle.remove()
+        layers = self.model.model.layers
+        for i in layer_ids:
+            self._hooks.append(layers[i].register_forward_hook(self._capture(i)))
+        self.layer_ids = list(layer_ids)
+
+    def _capture(self, index: int):
+        def hook(module, inputs, output):
+            self._captured[index] = output[0] if isinstance(output, tuple) else output
+
+        return hook
+
+    def forward(self, input_ids_BT: torch.Tensor, **kwargs):
+        """The base model (no LM head) over tokens, with any cache kwargs: (its output, the watched layers'
+        outputs concatenated, B × T × n·D)."""
+        output = self.model.model(input_ids=input_ids_BT.to(self.model.device), **kwargs)
+        features = torch.cat([self._captured[i] for i in self.layer_ids], dim=-1)
+        self._captured.clear()
+        return output, features
+
+    @torch.no_grad()
+    def features(self, input_ids_BT: torch.Tensor) -> torch.Tensor:
+        return self.forward(input_ids_BT)[1]
+
+    def head_weight(self, drafter: DFlashDrafter) -> torch.Tensor:
+        """The LM head rows the drafter scores with (all of them, or its reduced draft vocabulary)."""
+        if getattr(self, "_head_for", None) is not drafter:
+            self._head, self._head_for = drafter.head_weight(self.model.lm_head.weight), drafter
+        return self._head
+
+    def discard_features(self) -> None:
+        """Forget what the hooks captured during a pass whose features are not needed (e.g. `generate`)."""
+        self._captured.clear()
+
+
+def _memory_map(devices: str) -> dict:
+    return {int(d.split(":")[1]): "1000GiB" for d in devices.split(",")}

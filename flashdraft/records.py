@@ -1,0 +1,62 @@
+"""Conversation records as users and `generate` write them: the one reader for JSONL lines and chat turns,
+shared by generate (prompts) and tokenize (conversations) so both accept and reject the same input alike.
+
+A bad record raises `BadRecord`; its message is the reason written beside the line number to rejected.jsonl.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+ROLES = {"system", "user", "assistant", "tool"}
+SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
+                  "system": "system", "tool": "tool", "function": "tool"}
+
+
+class BadRecord(ValueError):
+    """A record that cannot be used; the message is the reason written to rejected.jsonl."""
+
+
+def jsonl_lines(path: Path) -> Iterator[tuple[int, bytes]]:
+    """(1-based line number, raw bytes) of every non-blank line."""
+    with open(path, "rb") as f:
+        for number, raw in enumerate(f, start=1):
+            if raw.strip():
+                yield number, raw
+
+
+def parse_json(raw: bytes | dict) -> Any:
+    """One JSONL line parsed (a row from Parquet / datasets is already parsed)."""
+    if not isinstance(raw, bytes):
+        return raw
+    try:
+        return json.loads(raw.decode("utf-8"))
+    except UnicodeDecodeError as e:
+        raise BadRecord(f"not UTF-8 (byte {e.start})") from None
+    except json.JSONDecodeError as e:
+        raise BadRecord(f"malformed JSON: {e.msg} at column {e.colno}") from None
+
+
+def check_turn(i: int, turn: Any, role_key: str = "role", content_key: str = "content",
+               role_map: dict[str, str] | None = None) -> tuple[str, str]:
+    """(role, content) of turn i, or BadRecord naming what is wrong with it."""
+    if not isinstance(turn, dict):
+        raise BadRecord(f"turn {i} is not an object")
+    role = turn.get(role_key)
+    role = role_map.get(role, role) if role_map and isinstance(role, str) else role
+    if role not in ROLES:
+        raise BadRecord(f"turn {i}: unknown role {turn.get(role_key)!r}")
+    content = turn.get(content_key)
+    if not isinstance(content, str):
+        raise BadRecord(f"turn {i}: content is {type(content).__name__}, not a string")
+    return role, content
+
+
+def prompt_id(messages: list[dict[str, str]]) -> str:
+    """A conversation's stable id: a hash of its messages in canonical JSON."""
+    canonical = json.dumps(messages, sort_keys=True, ensure_ascii=False, separators=(",", ":"))
+    return hashlib.sha256(canonical.encode("utf-8")).hexdigest()[:16]

@@ -1,0 +1,200 @@
+"""tokenize: completions → Arrow training shards with token-exact loss masks, a quality gate, at tokenizer speed.
+
+    flashdraft tokenize --input work/generate --out work/dataset [--tokenizer REF] [--workers N]
+    flashdraft tokenize --out work/dataset --show 3        # print samples, supervised tokens highlighted
+
+Each conversation is rendered with the target's own chat template, exactly as serving renders it, and
+tokenized once. The loss mask comes from render boundaries, not from searching the text: for a trained
+assistant turn i, the template's rendering of turns [:i] with the generation prompt is a prefix of the
+rendering of turns [:i+1], so the turn's characters are [len(before), len(through)); the fast tokenizer maps
+those character boundaries to token indices (`char_to_token`; for byte-level BPE computed from the token ids,
+see `token_offsets`). Supervised = those tokens up to and including the end-of-turn token; the scaffolding
+after it (a newline) is not. Tokens are never re-encoded per prefix.
+
+Output: the `datasets.save_to_disk` layout (`datasets.load_from_disk` opens it) with columns `id`,
+`input_ids` (int32), `loss_mask` (uint8), `num_tokens`; manifest stats `samples`, `tokens`, `loss_tokens`,
+`loss_fraction`, `rejected`, `truncated`, `anchor_valid_samples`, a length histogram and per-shard stats.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Callable, Iterator
+from multiprocessing import get_context
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from flashdraft.artifact.atomic import atomic_write_text
+from flashdraft.artifact.manifest import (
+    MANIFEST,
+    Lineage,
+    build_manifest,
+    check_done,
+    content_digest,
+    identity,
+    list_data_files,
+    read_manifest,
+    sha256_json,
+    write_manifest,
+)
+from flashdraft.config import TokenizeConfig
+from flashdraft.errors import ExpectedFailure
+from flashdraft.progress import progress
+from flashdraft.tokenize.records import input_records
+from flashdraft.tokenize.shards import ShardWriter
+from flashdraft.tokenize.workers import CHUNK, ChunkResult, init_pool_worker, init_worker, no_cyclic_gc, process_chunk
+
+HISTOGRAM_EDGES = [0, 256, 512, 1024, 2048, 3072, 4096, 8192, 16384, 1 << 30]
+
+
+class QualityGateFailed(ExpectedFailure):
+    """Too few supervised tokens: the dataset would train a drafter on almost nothing."""
+
+
+def _chunks(records: Iterator, size: int) -> Iterator[list]:
+    chunk = []
+    for item in records:
+        chunk.append(item)
+        if len(chunk) == size:
+            yield chunk
+            chunk = []
+    if chunk:
+        yield chunk
+
+
+def run(
+    cfg: TokenizeConfig,
+    source: Path,
+    out: Path,
+    *,
+    console=None,
+    log: Callable[[str], None] = print,
+) -> dict[str, Any]:
+    """Tokenize `source` into `out`; returns the dataset stats. Raises QualityGateFailed below the gate."""
+    from flashdraft.model.resolve import resolve_model
+
+    source, out = Path(source), Path(out)
+    if not source.exists():
+        raise FileNotFoundError(f"input not found: {source}")
+    tokenizer_path = resolve_model(cfg.tokenizer, log=log)
+    lineage = Lineage(
+        inputs=[content_digest(source)],
+        config=sha256_json({"tokenize": cfg.model_dump(exclude={"workers"}), "tokenizer": identity(tokenizer_path)}),
+    )
+    decision = check_done(out, lineage)
+    log(decision.line("tokenize", out))
+    if decision.done:
+        return read_manifest(out).stats
+    _clear_output(out)
+
+    records, from_generate = input_records(source)
+    workers = cfg.workers or os.cpu_count() or 1
+    writer = ShardWriter(out, cfg.rows_per_shard)
+    totals = ChunkResult()
+    lengths: list[int] = []
+    seen_tokens = 0
+    init = (tokenizer_path, cfg, from_generate)
+    text = "tokenize {task.completed:,} records, {task.fields[tokens]:,} tokens"
+    with progress(console, text, tokens=0) as update, no_cyclic_gc():
+        if workers == 1:
+            init_worker(*init)
+            results = map(process_chunk, _chunks(records, CHUNK))
+            pool = None
+        else:
+            pool = get_context("spawn").Pool(workers, initializer=init_pool_worker, initargs=init)
+            results = pool.imap(process_chunk, _chunks(records, CHUNK))  # ordered: same output for any N
+        try:
+            for chunk in results:
+                writer.add(chunk.rows)
+                totals.rejected.extend(chunk.rejected)
+                totals.add_counts(chunk)
+                chunk_lengths = [len(ids) for _, ids, _ in chunk.rows]
+                lengths.extend(chunk_lengths)
+                seen_tokens += sum(chunk_lengths)
+                update(advance=len(chunk.rows) + len(chunk.rejected), tokens=seen_tokens)
+        finally:
+            if pool is not None:
+                pool.close()
+                pool.join()
+
+    tokens, loss_tokens, anchor_valid = int(sum(lengths)), totals.loss_tokens, totals.anchor_valid
+    stats = {
+        "samples": len(lengths),
+        "tokens": tokens,
+        "loss_tokens": loss_tokens,
+        "loss_fraction": round(loss_tokens / tokens, 6) if tokens else 0.0,
+        "rejected": len(totals.rejected),
+        "truncated": totals.truncated,
+        "anchor_valid_samples": anchor_valid,
+        "block_size": cfg.block_size,
+        "prompt_token_mismatches": totals.prompt_mismatches,
+        "completion_token_id_mismatches": totals.token_id_mismatches,
+        "unstable_turns_skipped": totals.unstable_turns,
+        "length_histogram": {
+            f"{lo}-{hi}": int(n)
+            for lo, hi, n in zip(
+                HISTOGRAM_EDGES[:-1], HISTOGRAM_EDGES[1:], np.histogram(lengths, HISTOGRAM_EDGES)[0], strict=True
+            )
+            if n
+        },
+        "input_kind": "completions" if from_generate else "conversations",
+    }
+    atomic_write_text(out / "rejected.jsonl", "".join(json.dumps(r) + "\n" for r in totals.rejected))
+    shards = writer.finish(lineage.config)
+    stats["shards"] = [{"file": f, **s} for f, s in zip(shards, writer.shard_stats, strict=True)]
+    _gate(stats, cfg)
+    write_manifest(out, build_manifest(out, kind="dataset", stats=stats, lineage=lineage))
+    log(
+        f"tokenize: done, verified — {out}: {stats['samples']} samples, {tokens:,} tokens, "
+        f"{stats['loss_fraction']:.1%} supervised, {stats['rejected']} rejected, {stats['truncated']} truncated, "
+        f"{anchor_valid} with a full block of supervised tokens"
+    )
+    return stats
+
+
+def _gate(stats: dict[str, Any], cfg: TokenizeConfig) -> None:
+    fraction = stats["loss_fraction"]
+    if stats["samples"] == 0:
+        raise QualityGateFailed("no usable samples: every record was rejected (see rejected.jsonl)")
+    if fraction < cfg.min_loss_fraction:
+        raise QualityGateFailed(
+            f"only {fraction:.1%} of tokens are supervised (gate: {cfg.min_loss_fraction:.0%}): responses are "
+            f"probably truncated, empty or missing, or prompts dwarf them. No manifest was written. Inspect with "
+            f"`flashdraft tokenize --show 3 --out DIR`, or lower --min-loss-fraction if this is intended."
+        )
+
+
+def _clear_output(out: Path) -> None:
+    """A rebuild starts from nothing: remove the old manifest first (the artifact stops existing), then data."""
+    if not out.exists():
+        out.mkdir(parents=True)
+        return
+    (out / MANIFEST).unlink(missing_ok=True)
+    for rel in list_data_files(out):
+        (out / rel).unlink()
+
+
+# ---------------------------------------------------------------------------------------------- inspect
+
+
+def show(out: Path, n: int, console, tokenizer_ref: str) -> None:
+    """Print `n` samples with the supervised tokens highlighted (green) and the rest dim."""
+    from datasets import load_from_disk
+    from rich.text import Text
+    from transformers import AutoTokenizer
+
+    from flashdraft.model.resolve import resolve_model
+
+    tokenizer = AutoTokenizer.from_pretrained(resolve_model(tokenizer_ref, log=lambda s: None))
+    dataset = load_from_disk(str(out))
+    for row in dataset.select(range(min(n, len(dataset)))):
+        text = Text()
+        for token, supervised in zip(row["input_ids"], row["loss_mask"], strict=True):
+            piece = tokenizer.decode([token])
+            text.append(piece, style="bold green" if supervised else "dim")
+        supervised_count = sum(row["loss_mask"])
+        console.rule(f"{row['id']} — {row['num_tokens']} tokens, {supervised_count} supervised")
+        console.print(text)

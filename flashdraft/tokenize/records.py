@@ -1,0 +1,92 @@
+"""What tokenize reads: a generate artifact's batch files, or plain conversations (JSONL / Parquet), as
+(file, line, raw record) items; and one record → (id, messages, completion token ids, thinking).
+
+Raw JSONL lines are parsed in the worker processes, not here: the parent only reads bytes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from flashdraft.artifact.manifest import read_manifest
+from flashdraft.records import BadRecord, check_turn, jsonl_lines, parse_json, prompt_id
+
+Item = tuple[str, int, bytes | dict]  # (file name, 1-based line or row, raw line or parsed row)
+
+
+@dataclass(frozen=True)
+class Conversation:
+    id: str
+    messages: list[dict[str, Any]]  # with `reasoning` on assistant turns
+    token_ids: list[int] | None  # the completion's token ids, when generate stored them
+    thinking: bool  # enable_thinking as the completion was generated
+
+
+def input_records(source: Path) -> tuple[Iterator[Item], bool]:
+    """(records as (file, line, raw JSON or row), whether the input is a generate artifact)."""
+    if source.is_dir():
+        try:
+            kind = read_manifest(source).kind
+        except Exception:
+            kind = None
+        if kind == "completions":
+            files = sorted(source.glob("batch-*[0-9].jsonl"))
+            return _jsonl_lines(files), True
+        files = sorted(p for p in source.iterdir() if p.suffix in (".jsonl", ".json", ".parquet"))
+        if not files:
+            raise FileNotFoundError(f"{source} holds no .jsonl / .parquet files (and is not a generate artifact)")
+    elif source.is_file():
+        files = [source]
+    else:
+        raise FileNotFoundError(f"input not found: {source}")
+    if all(f.suffix == ".parquet" for f in files):
+        return _parquet_rows(files), False
+    return _jsonl_lines(files), False
+
+
+def _jsonl_lines(files: list[Path]) -> Iterator[Item]:
+    for path in files:
+        for number, raw in jsonl_lines(path):
+            yield path.name, number, raw
+
+
+def _parquet_rows(files: list[Path]) -> Iterator[Item]:
+    import pyarrow.parquet as pq
+
+    for path in files:
+        for number, row in enumerate(pq.read_table(path).to_pylist(), start=1):
+            yield path.name, number, row
+
+
+def conversation(raw: bytes | dict, from_generate: bool) -> Conversation:
+    """One record as a Conversation, or BadRecord saying why not."""
+    record = parse_json(raw)
+    if not isinstance(record, dict):
+        raise BadRecord("record is not an object")
+    messages = record.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise BadRecord("messages are missing or empty")
+    clean = []
+    for i, m in enumerate(messages):
+        role, content = check_turn(i, m)
+        reasoning = m.get("reasoning", m.get("reasoning_content"))
+        turn = {"role": role, "content": content}
+        if isinstance(reasoning, str) and reasoning.strip():
+            turn["reasoning"] = reasoning
+        clean.append(turn)
+    token_ids = None
+    if from_generate:
+        if not isinstance(record.get("content"), str):
+            raise BadRecord("completion record has no string `content`")
+        final = {"role": "assistant", "content": record["content"]}
+        if isinstance(record.get("reasoning"), str) and record["reasoning"].strip():
+            final["reasoning"] = record["reasoning"]
+        clean.append(final)
+        token_ids = record.get("token_ids")
+    if not any(m["role"] == "assistant" for m in clean):
+        raise BadRecord("no assistant turn to train on")
+    thinking = bool((record.get("sampling") or {}).get("thinking", False))
+    return Conversation(str(record.get("id") or prompt_id(clean)), clean, token_ids, thinking)

@@ -1,0 +1,265 @@
+"""train: the DFlash drafter on the target's hidden states — resumable, distributed with torchrun.
+
+    flashdraft train --data work/dataset --out work/train [--target REF] [--epochs 6] [--max-steps N]
+    torchrun --nproc-per-node 4 -m flashdraft train --data … --out …      # DDP (gloo on CPU, nccl on GPU)
+
+Each step: for every sequence, the frozen target runs once with forward hooks on `target_layer_ids` (their
+outputs = hidden_states[id + 1]); anchors are drawn from supervised positions; all blocks of the sequence
+go through the drafter in one pass under the block mask; the target's LM head scores the block positions;
+the loss is CE weighted by exp(−(k−1)/γ) × loss mask. AdamW, cosine schedule with warmup, grad clipping.
+
+`run` reads top to bottom: decide (done? resume?) → set up (target, data, drafter, optimizer) → loop →
+export. The pieces live beside it: `data` (checks, held-out pick, mask token, draft vocabulary), `step` (one
+sequence), `checkpoint` (save/load/latest/prune/ship), `feature_cache` (offline features), `distributed`
+(ranks, devices, DDP/FSDP), `metrics` (metrics.jsonl, TensorBoard, W&B).
+
+Output (`--out`): checkpoints/step-NNNNNNN/ (each an artifact; the newest that verifies is resumed, incomplete
+ones are ignored), metrics.jsonl, and drafter/ — the exported drafter (z-lab format, `drafter` artifact),
+the stage's output.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+from contextlib import nullcontext
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from flashdraft.artifact.manifest import (
+    MANIFEST,
+    Lineage,
+    check_done,
+    identity,
+    manifest_digest,
+    read_manifest,
+    sha256_json,
+)
+from flashdraft.config import TrainConfig
+from flashdraft.model.drafter import DFlashDrafter, draft_config
+from flashdraft.model.export import save_drafter
+from flashdraft.model.objective import expected_acceptance_length
+from flashdraft.model.target import Target
+from flashdraft.progress import progress
+from flashdraft.train.checkpoint import CheckpointShipper, latest_checkpoint, load_checkpoint, save_checkpoint
+from flashdraft.train.data import (
+    BadTrainingInput,
+    choose_draft_vocab,
+    load_dataset_checked,
+    pick_mask_token,
+    split_heldout,
+)
+from flashdraft.train.distributed import Placement, barrier, place, wrap
+from flashdraft.train.metrics import MetricSinks, json_rates, mean_rates, truncate_metrics
+from flashdraft.train.step import evaluate_heldout, sequence_step
+
+__all__ = ["BadTrainingInput", "run"]
+
+# Settings that say where or how output is kept, not what is trained: changing them keeps the lineage.
+NOT_LINEAGE = {"device", "target_device", "push_to", "keep_checkpoints"}
+
+
+def run(
+    cfg: TrainConfig,
+    data: Path,
+    out: Path,
+    *,
+    require_checkpoint: bool = False,
+    console=None,
+    log: Callable[[str], None] = print,
+) -> dict:
+    data, out = Path(data), Path(out)
+    where = place(cfg)
+    say = log if where.rank == 0 else (lambda s: None)
+    if not (data / MANIFEST).is_file():
+        raise BadTrainingInput(f"{data} is not a verified dataset (no manifest): run `flashdraft tokenize` first")
+    from flashdraft.model.resolve import resolve_model
+
+    target_path = resolve_model(cfg.target, log=say)
+    lineage = Lineage(
+        inputs=[manifest_digest(data)],
+        config=sha256_json(
+            {"train": cfg.model_dump(exclude=NOT_LINEAGE), "world": where.world, "target": identity(target_path)}
+        ),
+    )
+    decision = check_done(out / "drafter", lineage)
+    say(decision.line("train", out / "drafter"))
+    if decision.done:
+        if cfg.push_to and where.rank == 0:  # done here; make sure the store holds it too (a no-op when it does)
+            shipper = CheckpointShipper(out, cfg, say)
+            shipper.drafter(out / "drafter")
+            shipper.wait()
+        return read_manifest(out / "drafter").stats
+    resume = latest_checkpoint(out, lineage, say)
+    if require_checkpoint and resume is None:
+        raise BadTrainingInput(f"--resume: {out} has no complete checkpoint of this run to resume from")
+
+    s = setup(cfg, data, out, target_path, where, console, say)
+    position = {"step": 0, "epoch": 0, "batch": 0}
+    if resume is not None:
+        position = load_checkpoint(resume, s.drafter, s.optimizer, s.scheduler)
+        say(f"train: resuming from {resume.name} (step {position['step']}, epoch {position['epoch']})")
+    if where.rank == 0:
+        truncate_metrics(out / "metrics.jsonl", position["step"])
+    say(f"train: {len(s.train_ids)} training / {len(s.heldout_ids)} held-out samples, {where.world} process(es), "
+        f"{s.total_steps} steps, drafter {sum(p.numel() for p in s.drafter.parameters()) / 1e6:.1f}M params, "
+        f"mask token {s.drafter.mask_token_id}, target layers {s.drafter.target_layer_ids}")
+
+    started = time.perf_counter()
+    shipper = CheckpointShipper(out, cfg, say)
+    sinks = MetricSinks(out, where.rank == 0, cfg.model_dump())
+    position, last = loop(cfg, s, position, sinks, shipper, lineage, out, console)
+    held = evaluate_heldout(s.model, s.target, s.dataset, s.heldout_ids, cfg, where.device, s.cache)
+    sinks.close()
+    if where.rank != 0:
+        shipper.wait()
+        barrier(where.world)
+        return {}
+    stats = {
+        "steps": position["step"],
+        "epochs": position["epoch"],
+        "train_samples": len(s.train_ids),
+        "final_loss": last.get("loss"),
+        "heldout": held,
+        "seconds": round(time.perf_counter() - started, 1),
+        "world_size": where.world,
+    }
+    shipper.drafter(save_drafter(s.drafter, out / "drafter", stats=stats, lineage=lineage))
+    shipper.wait()
+    tau = held["simulated_acceptance_length"]
+    say(f"train: done, verified — {out / 'drafter'}: {position['step']} steps, held-out simulated τ "
+        + (f"{tau:.2f}" if tau is not None else "– (no held-out sample)"))
+    barrier(where.world)
+    return stats
+
+
+@dataclass
+class Setup:
+    """Everything the loop needs, built once."""
+
+    where: Placement
+    target: Target
+    dataset: Any
+    train_ids: list[int]
+    heldout_ids: list[int]
+    drafter: DFlashDrafter
+    model: torch.nn.Module  # the drafter, wrapped for DDP/FSDP under torchrun
+    optimizer: torch.optim.Optimizer
+    scheduler: Any
+    cache: Any  # FeatureCache (offline features) or None (the target runs in each step)
+    steps_per_epoch: int
+    total_steps: int
+
+
+def setup(cfg: TrainConfig, data: Path, out: Path, target_path: str, where: Placement, console, say) -> Setup:
+    from transformers import get_cosine_schedule_with_warmup
+
+    target = Target(target_path, where.target_device, say)
+    dataset = load_dataset_checked(data, cfg.block_size, target.config.vocab_size, cfg.max_length)
+    config = draft_config(target.config, num_layers=cfg.num_layers, block_size=cfg.block_size,
+                          mask_token_id=pick_mask_token(cfg, target.config, target.path, dataset),
+                          target_layer_ids=cfg.target_layer_ids, draft_vocab_size=cfg.draft_vocab_size)
+    target.watch(config.dflash_config["target_layer_ids"])
+    train_ids, heldout_ids = split_heldout(len(dataset), cfg.eval_samples, cfg.seed)
+
+    torch.manual_seed(cfg.seed)
+    drafter = DFlashDrafter(config).to(where.device)
+    if cfg.init_from_target:
+        drafter.init_from_target(target.model)
+    if cfg.draft_vocab_size:
+        vocab = choose_draft_vocab(dataset.select(train_ids), cfg.draft_vocab_size, target.config.vocab_size)
+        drafter.set_draft_vocab(vocab)
+    cache = None
+    if cfg.features == "offline":
+        from flashdraft.train.feature_cache import offline_features
+
+        cache = offline_features(cfg, data, out, target, target_path, dataset, where, console, say)
+    model = wrap(drafter, cfg, where.world, where.device)
+    optimizer = torch.optim.AdamW(drafter.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
+    steps_per_epoch = max(1, len(train_ids) // where.world // cfg.batch_size)
+    total_steps = cfg.max_steps or cfg.epochs * steps_per_epoch
+    scheduler = get_cosine_schedule_with_warmup(optimizer, math.ceil(cfg.warmup_ratio * total_steps), total_steps)
+    return Setup(where, target, dataset, train_ids, heldout_ids, drafter, model, optimizer, scheduler, cache,
+                 steps_per_epoch, total_steps)
+
+
+def loop(cfg: TrainConfig, s: Setup, position: dict, sinks: MetricSinks, shipper: CheckpointShipper,
+         lineage: Lineage, out: Path, console) -> tuple[dict, dict]:
+    """Optimizer steps from `position` to `s.total_steps`; returns the final position and the last metrics."""
+    rank, world, device = s.where.rank, s.where.world, s.where.device
+    per_rank = len(s.train_ids) // world
+    step, last = position["step"], {}
+    s.model.train()
+    text = "train loss {task.fields[loss]} τ≈{task.fields[tau]} {task.fields[tps]} tok/s"
+    with progress(console if rank == 0 else None, text, total=s.total_steps, completed=step, loss="–", tau="–",
+                  tps="–") as update:
+        while step < s.total_steps:
+            epoch, first_batch = position["epoch"], position["batch"]
+            shuffled = torch.randperm(len(s.train_ids), generator=torch.Generator().manual_seed(cfg.seed + epoch))
+            mine = [s.train_ids[i] for i in shuffled.tolist()][rank : per_rank * world : world]
+            for b in range(first_batch, s.steps_per_epoch):
+                if step >= s.total_steps:
+                    break
+                t0 = time.perf_counter()
+                results = accumulate(cfg, s, mine[b * cfg.batch_size : (b + 1) * cfg.batch_size], epoch)
+                torch.nn.utils.clip_grad_norm_(s.drafter.parameters(), cfg.grad_clip)
+                s.optimizer.step()
+                s.scheduler.step()
+                s.optimizer.zero_grad(set_to_none=True)
+                step += 1
+                position = {"step": step, "epoch": epoch, "batch": b + 1}
+                last = step_metrics(step, epoch, results, world, time.perf_counter() - t0, s.scheduler)
+                sinks.log(last)
+                update(advance=1, loss=f"{last['loss']:.3f}", tau=f"{last['simulated_acceptance_length']:.2f}",
+                       tps=f"{last['tokens_per_s']:,.0f}")
+                if step % cfg.checkpoint_every == 0 or b + 1 == s.steps_per_epoch or step == s.total_steps:
+                    if b + 1 == s.steps_per_epoch:
+                        position = {"step": step, "epoch": epoch + 1, "batch": 0}
+                    # Every rank evaluates (collectives stay in step); rank 0 records and saves.
+                    held = evaluate_heldout(s.model, s.target, s.dataset, s.heldout_ids, cfg, device, s.cache)
+                    sinks.log({"step": step, "heldout": held})
+                    if rank == 0:
+                        saved = save_checkpoint(out, step, s.model, s.optimizer, s.scheduler, position, lineage)
+                        shipper.checkpoint(saved)
+                    barrier(world)
+            else:
+                position = {"step": step, "epoch": epoch + 1, "batch": 0}
+    return position, last
+
+
+def accumulate(cfg: TrainConfig, s: Setup, batch: list[int], epoch: int) -> list[dict]:
+    """Gradients of one optimizer step, one sequence at a time (DDP syncs on the last one only)."""
+    results = []
+    for i, index in enumerate(batch):
+        row = s.dataset[index]
+        # Anchors depend only on (seed, epoch, sample): a resumed run draws the same ones.
+        gen = torch.Generator().manual_seed(hash((cfg.seed, epoch, index)) & 0x7FFFFFFF)
+        last_micro = i == len(batch) - 1
+        sync = nullcontext() if last_micro or not hasattr(s.model, "no_sync") else s.model.no_sync()
+        with sync:
+            features = None if s.cache is None else s.cache[index]
+            result = sequence_step(s.model, s.target, row["input_ids"], row["loss_mask"], cfg, gen, s.where.device,
+                                   features)
+            if result is not None:
+                (result["loss"] / len(batch)).backward()
+                results.append(result)
+    return results
+
+
+def step_metrics(step: int, epoch: int, results: list[dict], world: int, seconds: float, scheduler) -> dict:
+    rates = mean_rates([r["rates"] for r in results])
+    tokens = sum(r["tokens"] for r in results)
+    return {
+        "step": step,
+        "epoch": epoch,
+        "loss": float(np.mean([r["loss"].item() for r in results])) if results else math.nan,
+        "accuracy_by_position": json_rates(rates),
+        "simulated_acceptance_length": round(expected_acceptance_length(rates), 4),
+        "tokens_per_s": round(tokens * world / max(seconds, 1e-9), 1),
+        "lr": scheduler.get_last_lr()[0],
+    }

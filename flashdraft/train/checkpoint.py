@@ -1,0 +1,111 @@
+"""Checkpoints: save, load, find the newest complete one, prune, and ship them to a store in the background.
+
+    <out>/checkpoints/step-0000200/   drafter.safetensors, optimizer.pt, position.json, manifest.json
+
+Each checkpoint is an artifact (manifest last, committed by one rename): a crash mid-save leaves no
+checkpoint that `latest_checkpoint` would pick. Resume restores model, optimizer, scheduler and the data
+position; anchors are a function of (seed, epoch, sample), so a resumed run follows the same loss curve.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from flashdraft.artifact.atomic import atomic_write_text
+from flashdraft.artifact.manifest import Lineage, commit_dir, read_manifest, verify_dir
+from flashdraft.config import TrainConfig
+
+
+def checkpoint_dirs(out: Path) -> list[Path]:
+    root = out / "checkpoints"
+    return sorted(root.glob("step-*"), reverse=True) if root.is_dir() else []
+
+
+def save_checkpoint(out: Path, step: int, model, optimizer, scheduler, position: dict, lineage: Lineage) -> Path:
+    """A checkpoint is an artifact: weights, optimizer + scheduler, data position; committed in one rename."""
+    final = out / "checkpoints" / f"step-{step:07d}"
+    drafter = getattr(model, "module", model)
+    with commit_dir(final, "checkpoint", stats=position, lineage=lineage) as tmp:
+        weights = {k: v.detach().cpu().contiguous() for k, v in drafter.state_dict().items()}
+        save_file(weights, str(tmp / "drafter.safetensors"))
+        torch.save({"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict()}, tmp / "optimizer.pt")
+        atomic_write_text(tmp / "position.json", json.dumps(position))
+    return final
+
+
+def load_checkpoint(path: Path, drafter, optimizer, scheduler) -> dict:
+    """Restore what `save_checkpoint` wrote; returns the data position (step, epoch, batch) to continue from."""
+    drafter.load_state_dict(load_file(str(path / "drafter.safetensors")))
+    state = torch.load(path / "optimizer.pt", weights_only=False)
+    optimizer.load_state_dict(state["optimizer"])
+    scheduler.load_state_dict(state["scheduler"])
+    return json.loads((path / "position.json").read_text())
+
+
+def prune_checkpoints(out: Path, keep: int, upto: str | None = None) -> list[str]:
+    """Delete all but the newest `keep` checkpoints (complete or not): disk stays bounded on long runs.
+    With `upto`, only checkpoints no newer than that one are candidates (newer ones may not be pushed yet)."""
+    removed = []
+    for path in checkpoint_dirs(out)[max(1, keep) :]:
+        if upto is None or path.name <= upto:
+            shutil.rmtree(path, ignore_errors=True)
+            removed.append(path.name)
+    return removed
+
+
+class CheckpointShipper:
+    """Pushes each checkpoint to `train.push_to` (verified there) and prunes old local ones, in one
+    background thread so training does not wait on the network. FIFO: after checkpoint N is pushed, every
+    checkpoint up to N has been, so only those are pruned; newer ones may still wait for their push."""
+
+    def __init__(self, out: Path, cfg: TrainConfig, log: Callable[[str], None]) -> None:
+        from concurrent.futures import ThreadPoolExecutor
+
+        self.out, self.cfg, self.log = out, cfg, log
+        self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint-push")
+        self.pending: list = []
+
+    def _push(self, local: Path, name: str) -> None:
+        from flashdraft.artifact.store import open_store
+        from flashdraft.artifact.sync import push
+
+        self.log(push(local, open_store(f"{self.cfg.push_to.rstrip('/')}/{name}"), log=self.log).line())
+
+    def checkpoint(self, path: Path) -> None:
+        def ship() -> None:
+            if self.cfg.push_to:
+                self._push(path, f"checkpoints/{path.name}")
+            prune_checkpoints(self.out, self.cfg.keep_checkpoints, upto=path.name)
+
+        self.pending.append(self.pool.submit(ship))
+
+    def drafter(self, path: Path) -> None:
+        if self.cfg.push_to:
+            self.pending.append(self.pool.submit(self._push, path, "drafter"))
+
+    def wait(self) -> None:
+        """Block until every push is done; the first failure (e.g. VerifyFailed) is raised here."""
+        try:
+            for future in self.pending:
+                future.result()
+        finally:
+            self.pool.shutdown(wait=True)
+
+
+def latest_checkpoint(out: Path, lineage: Lineage, log: Callable[[str], None]) -> Path | None:
+    for path in checkpoint_dirs(out):
+        problems = verify_dir(path)
+        if problems:
+            log(f"train: ignoring incomplete checkpoint {path.name} ({problems[0]})")
+            continue
+        if not read_manifest(path).lineage.same_work(lineage):
+            log(f"train: ignoring checkpoint {path.name} (made from other data or settings)")
+            continue
+        return path
+    return None

@@ -1,0 +1,81 @@
+"""The training data: the dataset checked against the target, the held-out pick, the mask token, the draft vocabulary.
+
+Every check here runs before any compute, so a dataset that cannot train this target fails in seconds.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from flashdraft.config import TrainConfig
+from flashdraft.errors import BadInput
+
+
+class BadTrainingInput(BadInput):
+    """The dataset, target or settings cannot train a drafter; said before any compute."""
+
+
+def load_dataset_checked(data: Path, block_size: int, vocab_size: int, max_length: int):
+    from datasets import load_from_disk
+
+    try:
+        dataset = load_from_disk(str(data))
+    except FileNotFoundError as e:
+        raise BadTrainingInput(f"{data} is not a tokenize output (datasets.save_to_disk layout): {e}") from None
+    missing = {"input_ids", "loss_mask"} - set(dataset.column_names)
+    if missing:
+        raise BadTrainingInput(f"{data} has no {', '.join(sorted(missing))} column: run `flashdraft tokenize` first")
+    import pyarrow.compute as pc
+
+    ids = dataset.data.column("input_ids")  # checked on the Arrow columns: no Python loop over samples
+    longest = pc.max(pc.list_value_length(ids)).as_py() or 0
+    if longest < block_size + 1:
+        raise BadTrainingInput(f"block size {block_size} is larger than every sample (longest: {longest} tokens)")
+    top = pc.max(pc.list_flatten(ids)).as_py()
+    if top >= vocab_size:
+        raise BadTrainingInput(
+            f"token id {top} is outside the target's vocabulary ({vocab_size}): the dataset was tokenized with "
+            "another tokenizer than this target's"
+        )
+    return dataset.with_format("numpy", columns=["input_ids", "loss_mask"])
+
+
+def pick_mask_token(cfg: TrainConfig, target_config, target_path: str, dataset) -> int:
+    """An id the target never sees in use: a padded embedding row if there is one, else the highest id
+    that the training data never contains."""
+    if cfg.mask_token_id is not None:
+        return cfg.mask_token_id
+    tokenizer_len = target_config.vocab_size  # no tokenizer beside the weights: decide from the data
+    if any((Path(target_path) / name).is_file() for name in ("tokenizer.json", "tokenizer.model", "vocab.json")):
+        from transformers import AutoTokenizer
+
+        tokenizer_len = len(AutoTokenizer.from_pretrained(target_path))
+    if tokenizer_len < target_config.vocab_size:
+        return tokenizer_len
+    seen = np.zeros(target_config.vocab_size, dtype=bool)
+    for row in dataset:
+        seen[row["input_ids"]] = True
+    unused = np.flatnonzero(~seen)
+    if len(unused) == 0:
+        raise BadTrainingInput("every token id occurs in the data: set train.mask_token_id explicitly")
+    return int(unused[-1])
+
+
+def split_heldout(n: int, eval_samples: int, seed: int) -> tuple[list[int], list[int]]:
+    """(training, held-out) sample indices. The held-out ones are a seeded random pick, not the tail: datasets
+    often come sorted (by prompt category, by source), and a tail would measure one kind of text only."""
+    n_eval = min(eval_samples, max(0, n // 10))
+    perm = torch.randperm(n, generator=torch.Generator().manual_seed(seed)).tolist()
+    return sorted(perm[n_eval:]), sorted(perm[:n_eval])
+
+
+def choose_draft_vocab(dataset, size: int, vocab_size: int) -> torch.Tensor:
+    """The `size` target ids most often supervised in the training data (ties: lower id first)."""
+    counts = np.zeros(vocab_size, dtype=np.int64)
+    for row in dataset:
+        counts += np.bincount(row["input_ids"][row["loss_mask"].astype(bool)], minlength=vocab_size)
+    order = np.lexsort((np.arange(vocab_size), -counts))  # by count descending, then id
+    return torch.from_numpy(np.sort(order[:size]))

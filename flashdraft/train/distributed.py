@@ -1,0 +1,71 @@
+"""One process's place in a run: rank, world, devices; DDP or FSDP around the drafter; barriers.
+
+    torchrun --nproc-per-node 2 -m flashdraft train …     # gloo on CPU, nccl on GPU
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+
+from flashdraft.config import TrainConfig
+from flashdraft.train.data import BadTrainingInput
+
+
+@dataclass(frozen=True)
+class Placement:
+    rank: int
+    world: int
+    device: str  # where the drafter trains
+    target_device: str  # where the target runs ("cuda:0,cuda:1" spreads it over both)
+
+
+def place(cfg: TrainConfig) -> Placement:
+    """Join the process group under torchrun and pick this process's devices."""
+    rank, world = setup_distributed()
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    device = for_rank(cfg.device, local_rank) or ("cuda" if torch.cuda.is_available() else "cpu")
+    if device == "cuda" and world > 1:
+        device = f"cuda:{local_rank}"
+    return Placement(rank, world, device, for_rank(cfg.target_device, local_rank) or device)
+
+
+def for_rank(spec: str | None, local_rank: int) -> str | None:
+    """Device settings per process: "a;b;c" gives local rank i the i-th entry (the 2 + 2 split under
+    `torchrun --nproc-per-node 2`: target_device "cuda:0;cuda:1", device "cuda:2;cuda:3"); within an entry,
+    "cuda:0,cuda:1" spreads one process's target over both."""
+    if spec is None or ";" not in spec:
+        return spec
+    entries = [e.strip() for e in spec.split(";")]
+    if local_rank >= len(entries):
+        raise BadTrainingInput(f"device setting {spec!r} has {len(entries)} entries; local rank {local_rank} has none")
+    return entries[local_rank]
+
+
+def setup_distributed() -> tuple[int, int]:
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world > 1 and not torch.distributed.is_initialized():
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        torch.distributed.init_process_group(backend)
+    return (torch.distributed.get_rank() if world > 1 else 0), world
+
+
+def wrap(model: torch.nn.Module, cfg: TrainConfig, world: int, device: str) -> torch.nn.Module:
+    """DDP by default; FSDP for drafters too large to replicate. One function, two branches."""
+    if world == 1:
+        return model
+    if cfg.fsdp:
+        from torch.distributed.fsdp import fully_shard
+
+        for layer in model.layers:
+            fully_shard(layer)
+        return fully_shard(model)
+    ids = [torch.device(device).index] if device.startswith("cuda") else None
+    return torch.nn.parallel.DistributedDataParallel(model, device_ids=ids)
+
+
+def barrier(world: int) -> None:
+    if world > 1:
+        torch.distributed.barrier()
