@@ -101,7 +101,7 @@ def main() -> None:
         for _ in range(args.repeats):  # interleaved, best kept: two shared cores are noisy (±10 % run to run)
             for variant in ("bare", "flashdraft"):
                 cmd = [sys.executable, __file__, "--worker", variant, "--prompts-file", str(prompts_file),
-                       "--batch", str(batch), "--max-new-tokens", str(args.max_new_tokens)]  # fmt: skip
+                       "--batch", str(batch), "--max-new-tokens", str(args.max_new_tokens)]
                 proc = subprocess.run(cmd, capture_output=True, text=True, check=True, env=dict(os.environ))
                 run = json.loads(proc.stdout.strip().splitlines()[-1])
                 if variant not in result or run["seconds"] < result[variant]["seconds"]:
@@ -109,7 +109,7 @@ def main() -> None:
         tps = {v: r["tokens"] / r["seconds"] for v, r in result.items()}
         rows.append((batch, tps["bare"], tps["flashdraft"], result["bare"], result["flashdraft"]))
         print(f"batch {batch}: bare {tps['bare']:.1f} tok/s, flashdraft {tps['flashdraft']:.1f} tok/s, "
-              f"ratio {tps['flashdraft'] / tps['bare']:.2f}", flush=True)  # fmt: skip
+              f"ratio {tps['flashdraft'] / tps['bare']:.2f}", flush=True)
 
     lines = [
         f"### generate (hf backend) — {datetime.now(UTC).date()} — SmolLM2-135M-Instruct, CPU, "

@@ -162,7 +162,7 @@ def main() -> None:
 
             rows.append((tool, full, noop, noop_bytes, noop_small, caught))
             print(f"  full {full:.2f}s  no-op {noop:.2f}s ({noop_bytes:,} B)  no-op×{args.small_files} "
-                  f"{noop_small:.2f}s  edit caught: {caught}", flush=True)  # fmt: skip
+                  f"{noop_small:.2f}s  edit caught: {caught}", flush=True)
 
     base = {r[0]: r for r in rows}.get("s5cmd")
     lines = [

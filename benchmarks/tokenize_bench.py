@@ -33,7 +33,7 @@ BENCH = ROOT / ".bench"
 sys.path.insert(0, str(ROOT))
 
 WORDS = ["value", "count", "items", "result", "index", "buffer", "config", "token", "shard", "batch", "model",
-         "layer", "cache", "path", "record", "stream", "offset", "length", "score", "weight"]  # fmt: skip
+         "layer", "cache", "path", "record", "stream", "offset", "length", "score", "weight"]
 
 
 def code_like(rng: random.Random, lines: int) -> str:
@@ -46,7 +46,7 @@ def code_like(rng: random.Random, lines: int) -> str:
             f"    for {a} in range(len({b})):  # update the {c}",
             f"    if {a} > {b}_{c}:\n        return {a} * {rng.randint(2, 9)}",
             f"    {a}.append({b}.get('{c}', {rng.random():.3f}))",
-        ]))  # fmt: skip
+        ]))
     return "\n".join(out)
 
 
@@ -60,7 +60,7 @@ def make_data(path: Path, megabytes: int) -> int:
             )
             answer = "Here is the refactored code:\n```python\n" + code_like(rng, rng.randint(15, 240)) + "\n```"
             line = json.dumps({"messages": [{"role": "user", "content": question},
-                                            {"role": "assistant", "content": answer}]}) + "\n"  # fmt: skip
+                                            {"role": "assistant", "content": answer}]}) + "\n"
             f.write(line)
             written += len(line)
             count += 1

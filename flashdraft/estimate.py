@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from flashdraft.config import EMBEDDED_TARGET, PipelineConfig
+from flashdraft.errors import BadInput
 from flashdraft.model.drafter import uniform_layer_ids
 from flashdraft.train.feature_cache import feature_bytes
 
@@ -31,7 +32,7 @@ DEFAULT_TOKENS_PER_S = {"hf": 100.0, "openai": 2000.0, "vllm": 2000.0}
 CHECKPOINT_BYTES_PER_PARAM = 12  # fp32 weights + AdamW's two fp32 moments
 
 
-class EstimateError(ValueError):
+class EstimateError(BadInput):
     """Something the estimate needs is not available here; the message says what to pass."""
 
 
@@ -94,7 +95,7 @@ def prompt_lengths(source: str, tokenizer_ref: str, sample: int = 2000) -> tuple
 
     try:
         prompts = load_prompts(source).prompts
-    except (OSError, ValueError) as e:
+    except (OSError, BadInput) as e:
         raise EstimateError(f"cannot read the prompts ({source}): {e}; pass --num-prompts N") from None
     if not prompts:
         raise EstimateError(f"no usable prompts in {source}")
@@ -153,7 +154,7 @@ def estimate(
         "generation_hours": round(completion_tokens / rate / 3600, 2),
         "generation_tokens_per_s": rate,
         "completions_bytes": int(count * (RECORD_OVERHEAD_BYTES + prompt_tokens * CHARS_PER_TOKEN)
-                                 + completion_tokens * (CHARS_PER_TOKEN + JSON_BYTES_PER_TOKEN_ID)),  # fmt: skip
+                                 + completion_tokens * (CHARS_PER_TOKEN + JSON_BYTES_PER_TOKEN_ID)),
         "dataset_tokens": dataset_tokens,
         "dataset_bytes": dataset_tokens * 5 + count * 40,  # int32 ids + uint8 mask; id, offsets, num_tokens
         "offline_features_bytes": feature_bytes(dataset_tokens, len(layer_ids), shape.hidden),

@@ -70,7 +70,7 @@ def seaweed_server(data: Path, bucket: str = "flashdraft", timeout: float = 60) 
         weed, "mini", f"-dir={data}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1", f"-s3.port={s3}",
         f"-master.port={master}", f"-volume.port={volume}", f"-filer.port={filer}", f"-admin.port={admin}",
         "-s3.port.iceberg=0", "-s3.port.lance=0", "-webdav=false", "-admin.ui=false",
-    ]  # fmt: skip
+    ]
     with open(data / "weed.log", "w") as log:
         proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
         server = Seaweed(f"http://127.0.0.1:{s3}", access_key, secret_key, bucket)

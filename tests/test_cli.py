@@ -84,7 +84,7 @@ def _make_artifact(cli, root: Path) -> None:
     (root / "d" / "x.bin").write_bytes(os.urandom(4096))
     (root / "y.txt").write_text("some text\n")
     proc = cli("manifest", str(root), "--json", check=True)
-    assert json.loads(proc.stdout.splitlines()[-1])["files"] == 2
+    assert json.loads(proc.stdout)["files"] == 2
 
 
 def _tamper_same_size(root):
@@ -124,12 +124,12 @@ def _garble_manifest(root):
 def test_verify_cli_names_the_file_and_fails(cli, tmp_path, tamper):
     _make_artifact(cli, tmp_path)
     ok = cli("verify", str(tmp_path), "--json", check=True)
-    assert json.loads(ok.stdout.splitlines()[-1]) == {"ok": True, "problems": []}
+    assert json.loads(ok.stdout) == {"ok": True, "problems": []}
 
     name = tamper(tmp_path)
     proc = cli("verify", str(tmp_path), "--json")
     assert proc.returncode == 1
-    report = json.loads(proc.stdout.splitlines()[-1])
+    report = json.loads(proc.stdout)
     assert report["ok"] is False
     assert [p["path"] for p in report["problems"]] == [name]
     assert name in proc.stderr

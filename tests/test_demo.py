@@ -40,7 +40,7 @@ def tiny_pipeline_config(path, workdir, model_dir) -> str:
         "train": {"target": model_dir, "num_layers": 1, "block_size": 8, "max_anchors": 8, "epochs": 1,
                   "batch_size": 2, "eval_samples": 2, "checkpoint_every": 100},
         "eval": {"target": model_dir, "max_prompts": 3, "max_new_tokens": 16},
-    }  # fmt: skip
+    }
     path.write_text(yaml.safe_dump(config))
     return str(path)
 
@@ -50,7 +50,7 @@ def test_run_pipeline_end_to_end_then_everything_is_done(cli, tmp_path, tiny_mod
     first = cli("run", config, check=True)
     work = tmp_path / "work"
     for path, kind in [("generate", "completions"), ("dataset", "dataset"), ("train/drafter", "drafter"),
-                       ("eval", "eval")]:  # fmt: skip
+                       ("eval", "eval")]:
         assert verify_dir(work / path) == [], path
         assert read_manifest(work / path).kind == kind
     assert read_manifest(work / "eval").stats["lossless"] is True
@@ -65,8 +65,8 @@ def test_run_pipeline_end_to_end_then_everything_is_done(cli, tmp_path, tiny_mod
     store = tmp_path / "store"
     pushed = cli("run", config, "--store", str(store), check=True)
     assert pushed.stdout.count("already done, verified") >= 4
-    for stage in ("generate", "tokenize", "train", "eval"):
-        assert verify_dir(store / stage) == [], stage
+    for path in ("generate", "dataset", "train/drafter", "eval"):  # the store mirrors the workdir (layout.py)
+        assert verify_dir(store / path) == [], path
 
     # A fresh machine with the same store: everything is pulled and verified, nothing recomputed.
     fresh = tiny_pipeline_config(tmp_path / "fresh.yaml", tmp_path / "fresh-work", tiny_model_dir)
@@ -84,17 +84,17 @@ def test_run_pipeline_end_to_end_then_everything_is_done(cli, tmp_path, tiny_mod
 def test_status_reports_what_it_checks_now(cli, tmp_path, tiny_model_dir):
     config = tiny_pipeline_config(tmp_path / "tiny.yaml", tmp_path / "work", tiny_model_dir)
     cli("run", config, "--until", "tokenize", "--store", str(tmp_path / "store"), check=True)
-    report = json.loads(cli("status", "--config", config, "--json", check=True).stdout.strip().splitlines()[-1])
+    report = json.loads(cli("status", "--config", config, "--json", check=True).stdout)
     state = {(r["stage"], r["where"]): r for r in report["stages"]}
     assert state[("generate", "local")]["verified"] and state[("tokenize", "local")]["verified"]
     assert state[("tokenize", "local")]["stats"]["samples"] == 12
     assert not state[("train", "local")]["verified"] and not report["all_verified"]
 
     # A remote object deleted out of band: the store's copy stops verifying, the local one still does.
-    stray = next((tmp_path / "store" / "tokenize").glob("data-*.arrow"))
+    stray = next((tmp_path / "store" / "dataset").glob("data-*.arrow"))
     stray.unlink()
     report = json.loads(cli("status", "--config", config, "--store", str(tmp_path / "store"), "--json",
-                            check=True).stdout.strip().splitlines()[-1])  # fmt: skip
+                            check=True).stdout)
     state = {(r["stage"], r["where"]): r for r in report["stages"]}
     assert not state[("tokenize", "store")]["verified"] and stray.name in state[("tokenize", "store")]["reason"]
     assert state[("tokenize", "local")]["verified"] and state[("generate", "store")]["verified"]
@@ -103,7 +103,7 @@ def test_status_reports_what_it_checks_now(cli, tmp_path, tiny_model_dir):
 
     cli("run", config, "--until", "tokenize", "--store", str(tmp_path / "store"), check=True)  # repairs it
     report = json.loads(cli("status", "--config", config, "--store", str(tmp_path / "store"), "--json",
-                            check=True).stdout.strip().splitlines()[-1])  # fmt: skip
+                            check=True).stdout)
     assert {(r["stage"], r["where"]): r for r in report["stages"]}[("tokenize", "store")]["verified"]
 
 
@@ -136,7 +136,7 @@ def _kill_when(args: list[str], appears, timeout: float = 300) -> None:
     import time
 
     proc = subprocess.Popen([sys.executable, "-m", "flashdraft", *args], stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL)  # fmt: skip
+                            stderr=subprocess.DEVNULL)
     deadline = time.time() + timeout
     while not appears():
         assert proc.poll() is None, "the run finished before the kill point was reached"

@@ -118,10 +118,10 @@ def reference_decode(target: Target, drafter: DFlashDrafter, prompt: list[int], 
             anchor_pos = len(seq) - 1
             features = target.features(torch.tensor([seq[:anchor_pos]]))
             block, positions, _, _ = build_blocks(torch.tensor(seq + [0] * k), torch.ones(len(seq) + k),
-                                                  torch.tensor([anchor_pos]), k, drafter.mask_token_id)  # fmt: skip
+                                                  torch.tensor([anchor_pos]), k, drafter.mask_token_id)
             hidden = drafter(embed(block.view(1, -1)), features, positions.view(1, -1),
                              torch.arange(anchor_pos)[None], block_attention_mask(torch.tensor([anchor_pos]), k,
-                                                                                  anchor_pos)[None])  # fmt: skip
+                                                                                  anchor_pos)[None])
             drafts = head(hidden[0, 1:]).argmax(-1)
             full = target.model(torch.tensor([seq + drafts.tolist()])).logits[0, anchor_pos:]
             target.discard_features()
@@ -146,7 +146,7 @@ def test_sampling_keeps_the_target_distribution(tmp_path):
     torch.manual_seed(0)
     vocab = 12
     model = Qwen3ForCausalLM(Qwen3Config(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
-                                         num_attention_heads=4, num_key_value_heads=2, head_dim=8))  # fmt: skip
+                                         num_attention_heads=4, num_key_value_heads=2, head_dim=8))
     with torch.no_grad():
         model.lm_head.weight.mul_(40)  # peaked distributions: a wrong acceptance rule shows up
     model.save_pretrained(tmp_path / "t")
@@ -182,7 +182,7 @@ def test_eval_stage_writes_a_verified_report(tmp_path, tiny_model_dir, target, o
     save_drafter(overfit_drafter, tmp_path / "drafter")
     prompts = tmp_path / "p.jsonl"
     prompts.write_text("".join(json.dumps({"prompt": f"Tell me about {w}.", "category": c}) + "\n"
-                               for w, c in [("cats", "a"), ("dogs", "a"), ("owls", "b")]))  # fmt: skip
+                               for w, c in [("cats", "a"), ("dogs", "a"), ("owls", "b")]))
     cfg = EvalConfig(prompts=str(prompts), target=tiny_model_dir, max_new_tokens=24)
     stats = run(cfg, tmp_path / "drafter", tmp_path / "eval", log=quiet)
     assert stats["lossless"] is True and stats["acceptance_length"] >= 1.0 and stats["prompts"] == 3

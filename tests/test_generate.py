@@ -27,14 +27,14 @@ def records(out: Path) -> list[dict]:
 
 
 def last_json(proc) -> dict:
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return json.loads(proc.stdout)
 
 
 def test_hf_backend_writes_one_record_per_prompt_then_skips(cli, tmp_path, tiny_model_dir):
     src = prompts_file(tmp_path / "p.jsonl", 12)
     out = tmp_path / "gen"
     args = ["generate", "--prompts", src, "--out", str(out), "--model", tiny_model_dir, "--batch-size", "5",
-            "--max-new-tokens", "8", "--json"]  # fmt: skip
+            "--max-new-tokens", "8", "--json"]
     stats = last_json(cli(*args, check=True))
     assert stats["records"] == 12 and stats["errors"] == 0 and stats["rejected"] == 0 and stats["batches"] == 3
     assert verify_dir(out) == []
@@ -50,7 +50,7 @@ def test_hf_backend_writes_one_record_per_prompt_then_skips(cli, tmp_path, tiny_
     assert manifest["kind"] == "completions"
 
     again = cli(*args, check=True)
-    assert "already done, verified" in again.stdout
+    assert "already done, verified" in again.stderr
 
     changed = cli(*args[:-1], "--max-new-tokens", "9")  # same --out, different settings: refused, not mixed
     assert changed.returncode == 1 and "different prompts or settings" in changed.stderr
@@ -89,7 +89,7 @@ def test_sigkill_then_rerun_ends_with_exactly_one_record_per_prompt(cli, tmp_pat
     src = prompts_file(tmp_path / "p.jsonl", 24)
     out = tmp_path / "gen"
     args = ["generate", "--prompts", src, "--out", str(out), "--model", tiny_model_dir, "--batch-size", "1",
-            "--max-new-tokens", "120"]  # fmt: skip
+            "--max-new-tokens", "120"]
     proc = subprocess.Popen(
         [sys.executable, "-c", KILL_ME, *args], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
     )
@@ -118,7 +118,7 @@ def test_failed_requests_go_to_errors_jsonl(cli, tmp_path):
     src = prompts_file(tmp_path / "p.jsonl", 3)
     out = tmp_path / "gen"
     proc = cli("generate", "--config", str(config), "--prompts", src, "--out", str(out), "--backend", "openai",
-               "--model", "m", "--base-url", f"http://127.0.0.1:{port}/v1", "--json", check=True)  # fmt: skip
+               "--model", "m", "--base-url", f"http://127.0.0.1:{port}/v1", "--json", check=True)
     stats = last_json(proc)
     assert stats["records"] == 0 and stats["errors"] == 3
     errors = [json.loads(line) for line in (out / "errors.jsonl").read_text().splitlines()]
@@ -132,7 +132,7 @@ def test_shards_split_the_work_without_overlap(cli, tmp_path, tiny_model_dir):
     for shard in range(2):
         out = tmp_path / f"gen-{shard}"
         cli("generate", "--prompts", src, "--out", str(out), "--model", tiny_model_dir, "--max-new-tokens", "2",
-            "--shard-index", str(shard), "--num-shards", "2", check=True)  # fmt: skip
+            "--shard-index", str(shard), "--num-shards", "2", check=True)
         ids.append({r["id"] for r in records(out)})
     assert not ids[0] & ids[1]
     assert ids[0] | ids[1] == {p.id for p in load_prompts(src).prompts}
@@ -142,7 +142,7 @@ def test_upload_to_pushes_batches_and_verifies(cli, tmp_path, tiny_model_dir):
     src = prompts_file(tmp_path / "p.jsonl", 4)
     store = tmp_path / "store"
     cli("generate", "--prompts", src, "--out", str(tmp_path / "gen"), "--model", tiny_model_dir, "--batch-size",
-        "2", "--max-new-tokens", "2", "--upload-to", str(store), check=True)  # fmt: skip
+        "2", "--max-new-tokens", "2", "--upload-to", str(store), check=True)
     assert verify_dir(store) == []
     assert (store / MANIFEST).read_bytes() == (tmp_path / "gen" / MANIFEST).read_bytes()
 
@@ -151,7 +151,7 @@ def test_corrupted_batch_is_regenerated_on_rerun(cli, tmp_path, tiny_model_dir):
     src = prompts_file(tmp_path / "p.jsonl", 4)
     out = tmp_path / "gen"
     args = ["generate", "--prompts", src, "--out", str(out), "--model", tiny_model_dir, "--batch-size", "2",
-            "--max-new-tokens", "3"]  # fmt: skip
+            "--max-new-tokens", "3"]
     cli(*args, check=True)
     good = (out / "batch-000001.jsonl").read_text()
     (out / "batch-000001.jsonl").write_text(good[:-10])
@@ -212,7 +212,7 @@ def test_openai_backend_against_transformers_serve(cli, tmp_path, tiny_model_dir
     server = subprocess.Popen(
         [str(serve), "serve", tiny_model_dir, "--host", "127.0.0.1", "--port", str(port)],
         stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-    )  # fmt: skip
+    )
     try:
         deadline = time.time() + 120
         while True:
@@ -227,7 +227,7 @@ def test_openai_backend_against_transformers_serve(cli, tmp_path, tiny_model_dir
         out = tmp_path / "gen"
         proc = cli("generate", "--prompts", src, "--out", str(out), "--backend", "openai", "--base-url",
                    f"http://127.0.0.1:{port}/v1", "--max-new-tokens", "8", "--batch-size", "3", "--json",
-                   check=True)  # fmt: skip
+                   check=True)
         stats = last_json(proc)
         assert stats["records"] == 6 and stats["errors"] == 0
         rows = records(out)
@@ -245,7 +245,7 @@ def test_hf_backend_on_smollm2(cli, tmp_path, smollm2_dir):
     src.write_text('{"prompt": "What is 2 + 2?"}\n{"prompt": "Name a primary color."}\n')
     out = tmp_path / "gen"
     stats = last_json(cli("generate", "--prompts", str(src), "--out", str(out), "--max-new-tokens", "24", "--json",
-                          check=True))  # fmt: skip
+                          check=True))
     assert stats["records"] == 2
     rows = {r["messages"][0]["content"]: r for r in records(out)}
     assert "4" in rows["What is 2 + 2?"]["content"]

@@ -4,6 +4,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+from flashdraft.errors import BadInput
 from flashdraft.generate.prompts import in_shard, load_prompts, normalize, prompt_id
 
 
@@ -28,7 +29,7 @@ def test_final_assistant_turn_is_regenerated_from_history():
     p = normalize({"messages": [{"role": "user", "content": "Q"}, {"role": "assistant", "content": "old A"}]})
     assert p.messages == [{"role": "user", "content": "Q"}]
     multi = normalize({"conversations": [{"from": "human", "value": "1"}, {"from": "gpt", "value": "2"},
-                                         {"from": "human", "value": "3"}, {"from": "gpt", "value": "4"}]})  # fmt: skip
+                                         {"from": "human", "value": "3"}, {"from": "gpt", "value": "4"}]})
     assert [m["content"] for m in multi.messages] == ["1", "2", "3"]
 
 
@@ -45,7 +46,7 @@ def test_every_bad_input_kind_is_rejected_with_line_and_reason(tmp_path):
         '{"messages": [{"role": "assistant", "content": "only me"}]}',  # 9 nothing to answer
         '[1, 2]',                                                     # 10 not an object
         '{"prompt": "good one"}',                                     # 11 duplicate
-    ])  # fmt: skip
+    ])
     loaded = load_prompts(src)
     assert [p.messages[0]["content"] for p in loaded.prompts] == ["good one"]
     assert loaded.duplicates == 1
@@ -76,9 +77,9 @@ def test_parquet_and_save_to_disk_sources(tmp_path):
 
 
 def test_missing_source_is_a_clear_error(tmp_path):
-    with pytest.raises(FileNotFoundError, match="prompts not found"):
+    with pytest.raises(BadInput, match="prompts not found"):
         load_prompts(str(tmp_path / "nope.jsonl"))
-    with pytest.raises(FileNotFoundError, match="unknown built-in"):
+    with pytest.raises(BadInput, match="unknown built-in"):
         load_prompts("builtin:nope")
 
 

@@ -21,7 +21,7 @@ from flashdraft.testing import TcpForwarder
 
 
 def last_json(proc) -> dict:
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return json.loads(proc.stdout)
 
 
 @pytest.fixture
@@ -56,12 +56,12 @@ def test_push_then_noop_then_verify(cli, tmp_path, url, s3env):
         "already_done": False,
     }
     assert last_json(first)["bytes_uploaded"] == 303_000
-    assert "verified 3" in first.stdout
+    assert "verified 3" in first.stderr  # with --json, human output goes to stderr
     assert set(keys(s3env, url)) == {"f0.bin", "sub/f1.bin", "f2.bin", MANIFEST}
 
     again = cli("sync", "push", str(tmp_path / "a"), url, "--json", check=True)
     assert last_json(again)["uploaded"] == 0 and last_json(again)["bytes_uploaded"] == 0
-    assert last_json(again)["verified"] == 3 and "already done, verified" in again.stdout
+    assert last_json(again)["verified"] == 3 and "already done, verified" in again.stderr
 
     for deep in ([], ["--deep"]):
         ok = cli("verify", url, "--json", *deep, check=True)
@@ -78,7 +78,7 @@ def test_same_size_edit_with_old_mtime_is_sent_and_identical_files_are_not(cli, 
     proc = cli("sync", "push", str(a), url, "--json", check=True)
     summary = last_json(proc)
     assert summary["uploaded"] == 1 and summary["skipped"] == 2 and summary["bytes_uploaded"] == 300_000
-    assert "changed since its manifest" in proc.stdout
+    assert "changed since its manifest" in proc.stderr
     pulled = tmp_path / "b"
     cli("sync", "pull", url, str(pulled), check=True)
     assert (pulled / "f2.bin").read_bytes() == bytes(data)

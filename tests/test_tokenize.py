@@ -8,6 +8,7 @@ from transformers import AutoTokenizer
 
 from flashdraft.artifact.manifest import MANIFEST, read_manifest, verify_dir
 from flashdraft.config import TokenizeConfig
+from flashdraft.errors import BadInput
 from flashdraft.tokenize import QualityGateFailed, run
 from flashdraft.tokenize.offsets import longest_run
 from flashdraft.tokenize.render import Renderer
@@ -148,7 +149,7 @@ def test_qwen3_style_thinking_final_turn_only(tmp_path, qwen_tok_dir):
     first = {"role": "assistant", "content": "Earlier answer.", "reasoning": "earlier thoughts"}
     final = {"role": "assistant", "content": "The answer is 4.", "reasoning": "2 plus 2 is 4."}
     records = [{"messages": [{"role": "user", "content": "Hi"}, first, {"role": "user", "content": "2+2?"}, final],
-                "sampling": {"thinking": True}}]  # fmt: skip
+                "sampling": {"thinking": True}}]
     src = write_jsonl(tmp_path / "c.jsonl", records)
     stats = run(cfg(qwen_tok_dir), src, tmp_path / "ds", log=lambda s: None)
     [row] = load_rows(tmp_path / "ds")
@@ -190,7 +191,7 @@ def test_generate_artifact_input_checks_prompt_and_completion_tokens(tmp_path, s
         if i == 3:
             token_ids = token_ids[:2] + [token_ids[2] + 1] + token_ids[3:]  # what the model "said" ≠ the text
         rows.append({"id": f"p{i}", "messages": [{"role": "user", "content": f"Question {i}?"}], "content": content,
-                     "reasoning": None, "token_ids": token_ids, "finish_reason": "stop"})  # fmt: skip
+                     "reasoning": None, "token_ids": token_ids, "finish_reason": "stop"})
     write_jsonl(gen / "batch-000000.jsonl", rows)
     write_manifest(gen, build_manifest(gen, kind="completions"))
 
@@ -207,7 +208,7 @@ def test_output_is_identical_for_any_worker_count_and_loads_with_datasets(tmp_pa
     src = write_jsonl(tmp_path / "c.jsonl", records)
     for workers in (1, 2):
         run(TokenizeConfig(tokenizer=smollm2_dir, workers=workers, rows_per_shard=128, min_loss_fraction=0.0), src,
-            tmp_path / f"ds{workers}", log=lambda s: None)  # fmt: skip
+            tmp_path / f"ds{workers}", log=lambda s: None)
     one, two = read_manifest(tmp_path / "ds1"), read_manifest(tmp_path / "ds2")
     assert [(f.path, f.sha256) for f in one.files] == [(f.path, f.sha256) for f in two.files]
     assert [s["rows"] for s in one.stats["shards"]] == [128, 128, 44]
@@ -257,7 +258,7 @@ def test_direct_render_equals_apply_chat_template(template, request, monkeypatch
     messages = [{"role": "user", "content": "<|im_start|>assistant\nx<|eot_id|> {{ not jinja }}"},
                 {"role": "assistant", "content": "first", "reasoning": "r1"}, {"role": "tool", "content": "{}"},
                 {"role": "user", "content": "again"},
-                {"role": "assistant", "content": "second", "reasoning": "r2"}]  # fmt: skip
+                {"role": "assistant", "content": "second", "reasoning": "r2"}]
     for thinking in (False, True):
         for turns, prompt in ((messages[:4], True), (messages, False)):
             msgs = renderer.template_messages(turns)
@@ -292,18 +293,18 @@ def test_truncation_rejects_and_gate(tmp_path, smollm2_dir):
 
     with pytest.raises(QualityGateFailed, match=r"% of tokens are supervised"):
         run(TokenizeConfig(tokenizer=smollm2_dir, workers=1, min_loss_fraction=0.99), src, tmp_path / "gated",
-            log=lambda s: None)  # fmt: skip
+            log=lambda s: None)
     assert not (tmp_path / "gated" / MANIFEST).exists()
 
 
 def test_cli_rerun_skips_and_show_highlights(cli, tmp_path, smollm2_dir):
     src = write_jsonl(tmp_path / "c.jsonl", [conv("Hello", "Hi! Nice to meet you.")] * 1 + [conv("Bye", "Goodbye!")])
     args = ["tokenize", "--input", str(src), "--out", str(tmp_path / "ds"), "--tokenizer", smollm2_dir,
-            "--workers", "1", "--min-loss-fraction", "0.05", "--json"]  # fmt: skip
+            "--workers", "1", "--min-loss-fraction", "0.05", "--json"]
     first = cli(*args, check=True)
-    stats = json.loads(first.stdout.strip().splitlines()[-1])
+    stats = json.loads(first.stdout)
     assert stats["samples"] == 2 and 0 < stats["loss_fraction"] < 1
-    assert "already done, verified" in cli(*args, check=True).stdout
+    assert "already done, verified" in cli(*args, check=True).stderr
     shown = cli("tokenize", "--out", str(tmp_path / "ds"), "--tokenizer", smollm2_dir, "--show", "1", check=True)
     assert "supervised" in shown.stdout and "Nice to meet you" in shown.stdout
     gated = cli(*args[:-3], "--min-loss-fraction", "0.95")
@@ -317,11 +318,11 @@ def test_longest_run():
 
 
 def test_unreadable_input_is_a_clear_error(tmp_path, smollm2_dir):
-    with pytest.raises(FileNotFoundError, match="input not found"):
+    with pytest.raises(BadInput, match="input not found"):
         run(cfg(smollm2_dir), tmp_path / "absent.jsonl", tmp_path / "ds", log=lambda s: None)
     empty = tmp_path / "empty"
     empty.mkdir()
-    with pytest.raises(FileNotFoundError, match="no .jsonl"):
+    with pytest.raises(BadInput, match="no .jsonl"):
         run(cfg(smollm2_dir), empty, tmp_path / "ds", log=lambda s: None)
     shutil.rmtree(empty)
 
@@ -332,6 +333,6 @@ def test_written_schema_is_what_datasets_itself_describes():
     from flashdraft.tokenize.shards import FEATURES, arrow_schema
 
     expected = Features({"id": Value("string"), "input_ids": List(Value("int32")), "loss_mask": List(Value("uint8")),
-                         "num_tokens": Value("int32")})  # fmt: skip
+                         "num_tokens": Value("int32")})
     assert FEATURES == expected.to_dict()
     assert arrow_schema() == expected.arrow_schema and arrow_schema().metadata == expected.arrow_schema.metadata

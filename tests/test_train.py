@@ -37,7 +37,7 @@ def tiny_target(tmp_path_factory) -> str:
     torch.manual_seed(0)
     config = Qwen3Config(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=6,
                          num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                         max_position_embeddings=512)  # fmt: skip
+                         max_position_embeddings=512)
     path = tmp_path_factory.mktemp("tiny-qwen3")
     Qwen3ForCausalLM(config).save_pretrained(path)
     return str(path)
@@ -66,7 +66,7 @@ def tiny_dataset(tmp_path_factory) -> Path:
 
 def tiny_cfg(target: str, **kw) -> TrainConfig:
     base = dict(target=target, num_layers=2, block_size=8, max_anchors=8, batch_size=2, epochs=1, lr=3e-3,
-                checkpoint_every=2, eval_samples=2, mask_token_id=127)  # fmt: skip
+                checkpoint_every=2, eval_samples=2, mask_token_id=127)
     return TrainConfig(**{**base, **kw})
 
 
@@ -81,7 +81,7 @@ def test_each_block_sees_only_earlier_context_and_itself():
     from transformers import Qwen3Config
 
     target_config = Qwen3Config(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=6,
-                                num_attention_heads=4, num_key_value_heads=2, head_dim=8)  # fmt: skip
+                                num_attention_heads=4, num_key_value_heads=2, head_dim=8)
     torch.manual_seed(0)
     drafter = DFlashDrafter(draft_config(target_config, num_layers=2, block_size=4, mask_token_id=127)).eval()
     anchors = torch.tensor([10, 20, 30])
@@ -122,10 +122,10 @@ def test_flex_attention_block_mask_matches_the_dense_mask(tiny_target):
 
     torch.manual_seed(0)
     drafter = DFlashDrafter(draft_config(AutoConfig.from_pretrained(tiny_target), num_layers=2, block_size=8,
-                                         mask_token_id=127))  # fmt: skip
+                                         mask_token_id=127))
     anchors, context = torch.tensor([3, 9, 17, 30]), 31
     args = (torch.randn(1, 32, 64), torch.randn(1, context, 2 * 64), (anchors[:, None] + torch.arange(8)).view(1, -1),
-            torch.arange(context)[None])  # fmt: skip
+            torch.arange(context)[None])
     with torch.no_grad():
         dense = drafter(*args, block_attention_mask(anchors, 8, context)[None])
         flex = drafter(*args, flex_block_mask(anchors, 8, context, "cpu"))
@@ -196,7 +196,7 @@ def test_overfit_one_sequence_reproduces_it_at_block_positions(tiny_target, tmp_
         features = target.features(ids[None, :40])
         embeds = target.model.get_input_embeddings()(block_ids.view(1, -1))
         hidden = drafter(embeds, features, positions.view(1, -1), torch.arange(40)[None],
-                         block_attention_mask(anchors, 8, 40)[None])  # fmt: skip
+                         block_attention_mask(anchors, 8, 40)[None])
         predicted = target.model.lm_head(hidden).argmax(-1).view(len(anchors), 8)
     same_position = (predicted[:, 1:] == labels[:, 1:]).float().mean().item()
     shifted = (predicted[:, 1:7] == ids[positions[:, 2:]]).float().mean().item()
@@ -344,7 +344,7 @@ def write_config(path: Path, target: str, **train) -> Path:
     import yaml
 
     base = dict(target=target, num_layers=2, block_size=8, max_anchors=8, lr=3e-3, eval_samples=2,
-                mask_token_id=127)  # fmt: skip
+                mask_token_id=127)
     path.write_text(yaml.safe_dump({"train": {**base, **train}}))
     return path
 
@@ -356,7 +356,7 @@ def test_killed_run_resumes_to_the_same_loss_curve_and_weights(cli, tiny_target,
 
     killed = tmp_path / "killed"
     args = [sys.executable, "-m", "flashdraft", "train", "--config", str(config), "--data", str(tiny_dataset),
-            "--out", str(killed)]  # fmt: skip
+            "--out", str(killed)]
     proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.time() + 120
     while not (killed / "checkpoints" / "step-0000006").exists() and time.time() < deadline:
@@ -365,7 +365,7 @@ def test_killed_run_resumes_to_the_same_loss_curve_and_weights(cli, tiny_target,
     proc.wait()
     assert not (killed / "drafter").exists()
     resumed = cli("train", "--config", str(config), "--data", str(tiny_dataset), "--out", str(killed), "--resume",
-                  check=True)  # fmt: skip
+                  check=True)
     assert "resuming from step-" in resumed.stdout
 
     def curve(out):
@@ -396,7 +396,7 @@ def test_two_process_ddp_matches_single_process_on_the_same_global_batch(tiny_ta
     single = write_config(tmp_path / "single.yaml", tiny_target, batch_size=2, max_steps=2, checkpoint_every=1)
     ddp = write_config(tmp_path / "ddp.yaml", tiny_target, batch_size=1, max_steps=2, checkpoint_every=1)
     subprocess.run([sys.executable, "-m", "flashdraft", "train", "--config", str(single), "--data",
-                    str(tiny_dataset), "--out", str(tmp_path / "one")], check=True, capture_output=True)  # fmt: skip
+                    str(tiny_dataset), "--out", str(tmp_path / "one")], check=True, capture_output=True)
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = str(sock.getsockname()[1])
@@ -405,7 +405,7 @@ def test_two_process_ddp_matches_single_process_on_the_same_global_batch(tiny_ta
          "-m", "flashdraft", "train", "--config", str(ddp), "--data", str(tiny_dataset),
          "--out", str(tmp_path / "two")],
         capture_output=True, text=True, env=dict(os.environ, OMP_NUM_THREADS="1"), timeout=300,
-    )  # fmt: skip
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     for step in ("step-0000001", "step-0000002"):
         a = load_file(str(tmp_path / "one" / "checkpoints" / step / "drafter.safetensors"))

@@ -27,6 +27,7 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 
 from flashdraft import __version__
 from flashdraft.artifact.atomic import INTERNAL_PREFIX, atomic_write_text
+from flashdraft.errors import ExpectedFailure
 
 MANIFEST = "manifest.json"
 HASH_CHUNK = 8 << 20  # bytes read at a time: memory per hashing thread stays at one chunk
@@ -127,7 +128,7 @@ class Manifest(BaseModel):
         return sum(f.size for f in self.files)
 
 
-class ManifestError(Exception):
+class ManifestError(ExpectedFailure):
     """manifest.json is missing or cannot be read as a flashdraft manifest."""
 
 

@@ -28,6 +28,7 @@ from flashdraft.artifact.manifest import (
     is_internal,
     list_data_files,
 )
+from flashdraft.errors import ExpectedFailure
 
 Progress = Callable[[int], None]  # called with a number of bytes just moved
 
@@ -35,7 +36,7 @@ DEFAULT_PART_SIZE = 64 << 20
 MIN_PART_SIZE = 5 << 20  # S3's floor for every part but the last
 
 
-class StoreError(Exception):
+class StoreError(ExpectedFailure):
     """The store refused, could not be reached, or holds something other than what was sent."""
 
 
@@ -69,7 +70,12 @@ def is_url(location: str) -> bool:
 
 def open_store(location: str, *, profile: str | None = None, endpoint_url: str | None = None, jobs: int = 8):
     if is_url(location):
-        return S3Store(location, profile=profile, endpoint_url=endpoint_url, jobs=jobs)
+        from botocore.exceptions import BotoCoreError
+
+        try:
+            return S3Store(location, profile=profile, endpoint_url=endpoint_url, jobs=jobs)
+        except BotoCoreError as e:  # unknown profile, malformed ~/.aws config, bad endpoint URL
+            raise StoreError(f"cannot open {location}: {e}") from None
     if "://" in location:
         raise StoreError(f"unsupported store URL {location!r}: use a local directory or s3://bucket/prefix")
     return LocalStore(location)

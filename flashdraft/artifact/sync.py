@@ -39,6 +39,7 @@ from flashdraft.artifact.manifest import (
     write_manifest,
 )
 from flashdraft.artifact.store import DEFAULT_PART_SIZE, Listed, Remote, StoreError
+from flashdraft.errors import ExpectedFailure
 
 
 @dataclass
@@ -77,7 +78,7 @@ class SyncResult:
 
 
 @dataclass
-class VerifyFailed(Exception):
+class VerifyFailed(ExpectedFailure):
     where: str
     problems: list[Problem] = field(default_factory=list)
 

@@ -35,6 +35,7 @@ from flashdraft.artifact.manifest import (
     write_manifest,
 )
 from flashdraft.config import EvalConfig
+from flashdraft.errors import BadInput
 from flashdraft.evaluate.decode import SpecDecoder, target_only
 from flashdraft.evaluate.report import plot, summarize
 from flashdraft.model.export import load_drafter
@@ -52,11 +53,11 @@ def run(
     from transformers import AutoTokenizer
 
     from flashdraft.generate.prompts import load_prompts
-    from flashdraft.model.resolve import resolve_model
+    from flashdraft.model.resolve import resolve_model, stop_token_ids
 
     drafter_dir, out = Path(drafter_dir), Path(out)
     if not (drafter_dir / "config.json").is_file():
-        raise FileNotFoundError(f"{drafter_dir} holds no drafter (config.json): run `flashdraft train` first")
+        raise BadInput(f"{drafter_dir} holds no drafter (config.json): run `flashdraft train` first")
     target_path = resolve_model(target_ref or cfg.target, log=log)
     lineage = Lineage(
         inputs=[identity(drafter_dir)], config=sha256_json({"eval": cfg.model_dump(), "target": target_path})
@@ -70,15 +71,12 @@ def run(
     target = Target(target_path, device, log)
     drafter = load_drafter(drafter_dir, device=device, dtype=target.model.dtype)
     if drafter.config.num_target_layers != target.config.num_hidden_layers:
-        raise ValueError(
+        raise BadInput(
             f"the drafter was trained for a {drafter.config.num_target_layers}-layer target; "
             f"{target_path} has {target.config.num_hidden_layers} layers"
         )
     tokenizer = AutoTokenizer.from_pretrained(target_path)
-    eos = target.model.generation_config.eos_token_id
-    stop_ids = set(eos if isinstance(eos, list) else [eos]) | {tokenizer.eos_token_id}
-    stop_ids.discard(None)
-    decoder = SpecDecoder(target, drafter, stop_ids)
+    decoder = SpecDecoder(target, drafter, stop_token_ids(tokenizer, target.model.generation_config.eos_token_id))
     prompts = load_prompts(cfg.prompts).prompts[: cfg.max_prompts]
 
     per_prompt = []
@@ -86,7 +84,7 @@ def run(
     log(f"eval: {len(prompts)} prompts, {cfg.max_new_tokens} new tokens each, temperature {cfg.temperature}")
     for prompt in prompts:
         rendered = tokenizer.apply_chat_template(prompt.messages, add_generation_prompt=True, tokenize=True,
-                                                 return_dict=True, enable_thinking=cfg.thinking)  # fmt: skip
+                                                 return_dict=True, enable_thinking=cfg.thinking)
         ids = list(rendered["input_ids"])
         # Interleaved per prompt, so drift in machine load hits every method alike.
         spec = decoder.generate(ids, cfg.max_new_tokens, cfg.temperature, generator)
@@ -99,14 +97,14 @@ def run(
             "lookup_forwards": pld_calls,
             "lossless": spec.tokens == base[: len(spec.tokens)] and len(spec.tokens) == len(base)
             if cfg.temperature <= 0 else None,
-        })  # fmt: skip
+        })
 
     report = summarize(per_prompt, drafter.block_size, cfg)
     out.mkdir(parents=True, exist_ok=True)
     atomic_write_text(out / "report.json", json.dumps({**report, "prompts": per_prompt}, indent=1))
     plot(report, out)
     stats = {key: report[key] for key in ("acceptance_length", "lossless", "speedup", "lookup_acceptance_length",
-                                          "lookup_speedup", "prompts", "tokens_per_s")}  # fmt: skip
+                                          "lookup_speedup", "prompts", "tokens_per_s")}
     write_manifest(out, build_manifest(out, kind="eval", stats=stats, lineage=lineage))
     log(
         f"eval: done, verified — {out}: τ {report['acceptance_length']:.2f}, speedup {report['speedup']:.2f}× vs "

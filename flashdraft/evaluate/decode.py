@@ -78,7 +78,7 @@ class SpecDecoder:
                 cache.crop(-(k - n - 1))
             new_kv = self.drafter.context_kv(features[:, : n + 1], positions[:, : n + 1])
             ctx_kv = [(torch.cat([k0, k1], dim=2), torch.cat([v0, v1], dim=2))
-                      for (k0, v0), (k1, v1) in zip(ctx_kv, new_kv, strict=True)]  # fmt: skip
+                      for (k0, v0), (k1, v1) in zip(ctx_kv, new_kv, strict=True)]
             emitted = drafts[:n].tolist() + [bonus]
             tokens.extend(emitted)
             accepted.append(n)
@@ -134,7 +134,7 @@ def target_only(target: Target, prompt_ids: list[int], max_new_tokens: int, look
     kwargs = {"prompt_lookup_num_tokens": lookup} if lookup else {}
     started = time.perf_counter()
     out = target.model.generate(torch.tensor([prompt_ids], device=device), max_new_tokens=max_new_tokens,
-                                do_sample=False, **kwargs)  # fmt: skip
+                                do_sample=False, **kwargs)
     seconds = time.perf_counter() - started
     handle.remove()
     target.discard_features()

@@ -56,7 +56,7 @@ def plot(report: dict[str, Any], out: Path) -> None:
     rates = report["acceptance_by_position"]
     ax.bar(range(1, len(rates) + 1), rates, color="#3b7dd8")
     ax.set(xlabel="block position k", ylabel="P(≥ k drafts accepted)", ylim=(0, 1),
-           title=f"acceptance by position — τ = {report['acceptance_length']:.2f}")  # fmt: skip
+           title=f"acceptance by position — τ = {report['acceptance_length']:.2f}")
     fig.tight_layout()
     with atomic_open(out / "acceptance_by_position.png") as f:
         fig.savefig(f, format="png", dpi=120)

@@ -39,6 +39,7 @@ from flashdraft.artifact.manifest import (
     write_manifest,
 )
 from flashdraft.config import GenerateConfig
+from flashdraft.errors import ExpectedFailure
 from flashdraft.generate.backends import Completion, make_backend
 from flashdraft.generate.prompts import BUILTIN, Prompt, builtin_prompts, in_shard, load_prompts
 from flashdraft.progress import progress
@@ -46,7 +47,7 @@ from flashdraft.progress import progress
 CLAIM = ".flashdraft-generate.json"  # in-progress marker: which lineage the partial batches belong to
 
 
-class OutputInUse(Exception):
+class OutputInUse(ExpectedFailure):
     """--out already holds output of a different run; mixing the two would corrupt both."""
 
 
@@ -156,7 +157,7 @@ def run(
                 completions = backend.complete(batches[k], seed=cfg.seed + k)
                 ok = [(p, c) for p, c in zip(batches[k], completions, strict=True) if c.error is None]
                 failed = [{"id": p.id, "messages": p.messages, "reason": c.error}
-                          for p, c in zip(batches[k], completions, strict=True) if c.error is not None]  # fmt: skip
+                          for p, c in zip(batches[k], completions, strict=True) if c.error is not None]
                 if failed:  # written first: the batch file's presence means the whole batch is accounted for
                     atomic_write_text(out / errors_name(k), jsonl(failed))
                 atomic_write_text(out / batch_name(k), jsonl([to_record(p, c, backend.model_name, cfg) for p, c in ok]))

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from flashdraft.config import EMBEDDED_TARGET, GenerateConfig
+from flashdraft.errors import BadInput
 from flashdraft.generate.prompts import Prompt
 
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
@@ -61,7 +62,7 @@ class HFBackend:
         import torch
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
-        from flashdraft.model.resolve import resolve_model
+        from flashdraft.model.resolve import resolve_model, stop_token_ids
 
         self.cfg = cfg
         path = resolve_model(cfg.model, log=log)
@@ -72,9 +73,7 @@ class HFBackend:
         if self.tokenizer.pad_token_id is None:
             self.tokenizer.pad_token = self.tokenizer.eos_token
         self.model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
-        eos = self.model.generation_config.eos_token_id
-        eos = eos if isinstance(eos, list) else [eos]
-        self.eos_ids = {i for i in [*eos, self.tokenizer.eos_token_id] if i is not None}
+        self.eos_ids = stop_token_ids(self.tokenizer, self.model.generation_config.eos_token_id)
         self.device = device
 
     def render(self, prompt: Prompt) -> str:
@@ -133,9 +132,9 @@ class OpenAIBackend:
 
     def __init__(self, cfg: GenerateConfig, log=print) -> None:
         if importlib.util.find_spec("openai") is None:
-            raise RuntimeError("the openai backend needs the openai package: pip install openai")
+            raise BadInput("the openai backend needs the openai package: pip install openai")
         if not cfg.base_urls:
-            raise ValueError("the openai backend needs at least one --base-url (e.g. http://host:8000/v1)")
+            raise BadInput("the openai backend needs at least one --base-url (e.g. http://host:8000/v1)")
         self.cfg = cfg
         self.model_name = cfg.model if cfg.model != EMBEDDED_TARGET else asyncio.run(self._served_model())
         log(f"generate: openai backend, model {self.model_name!r}, {len(cfg.base_urls)} endpoint(s)")
@@ -219,7 +218,7 @@ class VLLMBackend:
         try:
             from vllm import LLM
         except ImportError:
-            raise RuntimeError(
+            raise BadInput(
                 "the vllm backend needs vllm (GPU machines): pip install vllm — or use --backend hf / openai"
             ) from None
         from flashdraft.model.resolve import resolve_model

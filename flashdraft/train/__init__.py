@@ -41,6 +41,7 @@ from flashdraft.artifact.manifest import (
     sha256_json,
 )
 from flashdraft.config import TrainConfig
+from flashdraft.layout import DRAFTER
 from flashdraft.model.drafter import DFlashDrafter, draft_config
 from flashdraft.model.export import save_drafter
 from flashdraft.model.objective import expected_acceptance_length
@@ -87,14 +88,15 @@ def run(
             {"train": cfg.model_dump(exclude=NOT_LINEAGE), "world": where.world, "target": identity(target_path)}
         ),
     )
-    decision = check_done(out / "drafter", lineage)
-    say(decision.line("train", out / "drafter"))
+    drafter_dir = out / DRAFTER
+    decision = check_done(drafter_dir, lineage)
+    say(decision.line("train", drafter_dir))
     if decision.done:
         if cfg.push_to and where.rank == 0:  # done here; make sure the store holds it too (a no-op when it does)
             shipper = CheckpointShipper(out, cfg, say)
-            shipper.drafter(out / "drafter")
+            shipper.drafter(drafter_dir)
             shipper.wait()
-        return read_manifest(out / "drafter").stats
+        return read_manifest(drafter_dir).stats
     resume = latest_checkpoint(out, lineage, say)
     if require_checkpoint and resume is None:
         raise BadTrainingInput(f"--resume: {out} has no complete checkpoint of this run to resume from")
@@ -129,10 +131,10 @@ def run(
         "seconds": round(time.perf_counter() - started, 1),
         "world_size": where.world,
     }
-    shipper.drafter(save_drafter(s.drafter, out / "drafter", stats=stats, lineage=lineage))
+    shipper.drafter(save_drafter(s.drafter, drafter_dir, stats=stats, lineage=lineage))
     shipper.wait()
     tau = held["simulated_acceptance_length"]
-    say(f"train: done, verified — {out / 'drafter'}: {position['step']} steps, held-out simulated τ "
+    say(f"train: done, verified — {drafter_dir}: {position['step']} steps, held-out simulated τ "
         + (f"{tau:.2f}" if tau is not None else "– (no held-out sample)"))
     barrier(where.world)
     return stats

@@ -20,16 +20,17 @@ from safetensors.torch import load_file, save_file
 from flashdraft.artifact.atomic import atomic_write_text
 from flashdraft.artifact.manifest import Lineage, commit_dir, read_manifest, verify_dir
 from flashdraft.config import TrainConfig
+from flashdraft.layout import CHECKPOINTS, DRAFTER, join
 
 
 def checkpoint_dirs(out: Path) -> list[Path]:
-    root = out / "checkpoints"
+    root = out / CHECKPOINTS
     return sorted(root.glob("step-*"), reverse=True) if root.is_dir() else []
 
 
 def save_checkpoint(out: Path, step: int, model, optimizer, scheduler, position: dict, lineage: Lineage) -> Path:
     """A checkpoint is an artifact: weights, optimizer + scheduler, data position; committed in one rename."""
-    final = out / "checkpoints" / f"step-{step:07d}"
+    final = out / CHECKPOINTS / f"step-{step:07d}"
     drafter = getattr(model, "module", model)
     with commit_dir(final, "checkpoint", stats=position, lineage=lineage) as tmp:
         weights = {k: v.detach().cpu().contiguous() for k, v in drafter.state_dict().items()}
@@ -75,19 +76,19 @@ class CheckpointShipper:
         from flashdraft.artifact.store import open_store
         from flashdraft.artifact.sync import push
 
-        self.log(push(local, open_store(f"{self.cfg.push_to.rstrip('/')}/{name}"), log=self.log).line())
+        self.log(push(local, open_store(join(self.cfg.push_to, name)), log=self.log).line())
 
     def checkpoint(self, path: Path) -> None:
         def ship() -> None:
             if self.cfg.push_to:
-                self._push(path, f"checkpoints/{path.name}")
+                self._push(path, f"{CHECKPOINTS}/{path.name}")
             prune_checkpoints(self.out, self.cfg.keep_checkpoints, upto=path.name)
 
         self.pending.append(self.pool.submit(ship))
 
     def drafter(self, path: Path) -> None:
         if self.cfg.push_to:
-            self.pending.append(self.pool.submit(self._push, path, "drafter"))
+            self.pending.append(self.pool.submit(self._push, path, DRAFTER))
 
     def wait(self) -> None:
         """Block until every push is done; the first failure (e.g. VerifyFailed) is raised here."""

@@ -1,0 +1,47 @@
+"""Where every stage's artifact lives, on local disk under `workdir` and in the store: the one place these
+paths are defined (the CLI's defaults, `run`, `status`, `demo`, `run --store` and `train --push-to` use it).
+
+    local (workdir/…)     store ({store}/…)      what
+    generate              generate               completions (generate's artifact)
+    dataset               dataset                the tokenized dataset
+    train/                train/                 checkpoints/step-N/, metrics.jsonl, features/ (train's --out)
+    train/drafter         train/drafter          the exported drafter (train's artifact)
+    eval                  eval                   the eval report
+
+The store mirrors the workdir, so `train --push-to {store}/train` and `run --store {store}` put checkpoints
+and the drafter in the same place, and a fresh machine finds what another one pushed.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+STAGES = ("generate", "tokenize", "train", "eval")
+TRAIN_DIR = "train"
+DRAFTER = "drafter"  # the exported drafter, inside train's output directory
+CHECKPOINTS = "checkpoints"  # checkpoints/step-NNNNNNN, inside train's output directory
+ARTIFACTS = {"generate": "generate", "tokenize": "dataset", "train": f"{TRAIN_DIR}/{DRAFTER}", "eval": "eval"}
+
+
+def stage_dir(workdir: str | Path, stage: str) -> Path:
+    """The local directory of `stage`'s artifact."""
+    return Path(workdir) / ARTIFACTS[stage]
+
+
+def stage_url(store: str, stage: str) -> str:
+    """Where `stage`'s artifact lives in the store (a local directory or s3://bucket/prefix)."""
+    return join(store, ARTIFACTS[stage])
+
+
+def train_dir(workdir: str | Path) -> Path:
+    """train's --out: checkpoints, metrics, the feature cache and the drafter."""
+    return Path(workdir) / TRAIN_DIR
+
+
+def train_url(store: str) -> str:
+    """train's --push-to under a store: checkpoints and the drafter go below it."""
+    return join(store, TRAIN_DIR)
+
+
+def join(location: str, relative: str) -> str:
+    return f"{location.rstrip('/')}/{relative}"
