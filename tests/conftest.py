@@ -78,3 +78,18 @@ def tiny_model_dir(tmp_path_factory, smollm2_dir) -> str:
     LlamaForCausalLM(config).save_pretrained(path)
     tokenizer.save_pretrained(path)
     return str(path)
+
+
+@pytest.fixture(scope="session")
+def tiny_target(tmp_path_factory) -> str:
+    """A random-weight Qwen3 of 128 tokens and 6 layers: the drafter and trainer tests' target."""
+    import torch
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    torch.manual_seed(0)
+    config = Qwen3Config(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=6,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                         max_position_embeddings=512)
+    path = tmp_path_factory.mktemp("tiny-qwen3")
+    Qwen3ForCausalLM(config).save_pretrained(path)
+    return str(path)

@@ -81,6 +81,34 @@ def test_run_pipeline_end_to_end_then_everything_is_done(cli, tmp_path, tiny_mod
     assert part.stdout.count("pull: ") == 2 and verify_dir(tmp_path / "cpu-work" / "generate") == []
 
 
+def test_standalone_stages_and_run_share_one_layout(cli, tmp_path, tiny_model_dir):
+    """Each stage run alone with --config writes where `run` and `status` look, and the other way round."""
+    config = tiny_pipeline_config(tmp_path / "a.yaml", tmp_path / "a", tiny_model_dir)
+    cli("generate", "--config", config, check=True)
+    cli("tokenize", "--config", config, check=True)
+    report = json.loads(cli("status", "--config", config, "--json", check=True).stdout)
+    verified = {r["stage"] for r in report["stages"] if r["verified"]}
+    assert verified == {"generate", "tokenize"}
+    rest = cli("run", config, "--from", "train", check=True).stdout
+    assert "train: building" in rest and "eval: done, verified" in rest
+    assert cli("run", config, check=True).stdout.count("already done, verified") == 4
+
+    # The other way round, with a store: `run` up to tokenize, then train and eval alone find its dataset,
+    # and `train --push-to {store}/train` puts checkpoints and drafter where `run --store` looks.
+    config = tiny_pipeline_config(tmp_path / "b.yaml", tmp_path / "b", tiny_model_dir)
+    store = tmp_path / "store"
+    cli("run", config, "--until", "tokenize", "--store", str(store), check=True)
+    trained = cli("train", "--config", config, "--push-to", str(store / "train"), check=True).stdout
+    assert "train: building" in trained and "train: done, verified" in trained
+    assert "eval: done, verified" in cli("eval", "--config", config, check=True).stdout
+    report = json.loads(cli("status", "--config", config, "--store", str(store), "--json", check=True).stdout)
+    assert [(r["stage"], r["where"]) for r in report["stages"] if not r["verified"]] == [("eval", "store")]
+    assert [verify_dir(c) for c in (store / "train" / "checkpoints").iterdir()] == [[]]
+    again = cli("run", config, "--store", str(store), check=True).stdout
+    assert all(f"{stage}: already done, verified" in again for stage in ("generate", "tokenize", "train", "eval"))
+    assert verify_dir(store / "eval") == []
+
+
 def test_status_reports_what_it_checks_now(cli, tmp_path, tiny_model_dir):
     config = tiny_pipeline_config(tmp_path / "tiny.yaml", tmp_path / "work", tiny_model_dir)
     cli("run", config, "--until", "tokenize", "--store", str(tmp_path / "store"), check=True)

@@ -15,32 +15,16 @@ from safetensors.torch import load_file
 
 from flashdraft.artifact.manifest import build_manifest, read_manifest, verify_dir, write_manifest
 from flashdraft.config import TrainConfig
-from flashdraft.model.drafter import DFlashDrafter, draft_config, uniform_layer_ids
-from flashdraft.model.export import load_drafter, save_drafter
+from flashdraft.model.drafter import DFlashDrafter, draft_config
 from flashdraft.model.objective import (
     block_attention_mask,
     build_blocks,
-    expected_acceptance_length,
-    sample_anchors,
 )
 from flashdraft.model.target import Target
 from flashdraft.train import BadTrainingInput, run
 from flashdraft.train.step import sequence_step
 
 VOCAB = 128
-
-
-@pytest.fixture(scope="module")
-def tiny_target(tmp_path_factory) -> str:
-    from transformers import Qwen3Config, Qwen3ForCausalLM
-
-    torch.manual_seed(0)
-    config = Qwen3Config(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=6,
-                         num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                         max_position_embeddings=512)
-    path = tmp_path_factory.mktemp("tiny-qwen3")
-    Qwen3ForCausalLM(config).save_pretrained(path)
-    return str(path)
 
 
 def make_dataset(path: Path, sequences: list[list[int]], prompt_len: int = 8) -> Path:
@@ -72,98 +56,6 @@ def tiny_cfg(target: str, **kw) -> TrainConfig:
 
 def quiet(_):
     return None
-
-
-# ------------------------------------------------------------------------------------------- the mask
-
-
-def test_each_block_sees_only_earlier_context_and_itself():
-    from transformers import Qwen3Config
-
-    target_config = Qwen3Config(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=6,
-                                num_attention_heads=4, num_key_value_heads=2, head_dim=8)
-    torch.manual_seed(0)
-    drafter = DFlashDrafter(draft_config(target_config, num_layers=2, block_size=4, mask_token_id=127)).eval()
-    anchors = torch.tensor([10, 20, 30])
-    k, c = 4, 40
-    features = torch.randn(1, c, 2 * 32)
-    embeds = torch.randn(1, 3 * k, 32)
-    positions = (anchors[:, None] + torch.arange(k)).view(1, -1)
-    allowed = block_attention_mask(anchors, k, c)[None]
-
-    def out(f, e):
-        with torch.no_grad():
-            return drafter(e, f, positions, torch.arange(c)[None], allowed).view(3, k, -1)
-
-    base = out(features, embeds)
-
-    def changed(f=features, e=embeds):
-        return [not torch.allclose(base[n], out(f, e)[n], atol=1e-6) for n in range(3)]
-
-    f = features.clone()
-    f[0, 15] += 1.0  # visible to blocks anchored at 20 and 30 only
-    assert changed(f=f) == [False, True, True]
-    f = features.clone()
-    f[0, 20] += 1.0  # the anchor's own position: strictly-before means block 2 cannot see it
-    assert changed(f=f) == [False, False, True]
-    e = embeds.clone()
-    e[0, k + 2] += 1.0  # a token inside block 2: the whole block sees it (bidirectional), no other block
-    assert changed(e=e) == [False, True, False]
-    bidirectional = out(features, e)[1, 0]  # position 0 of that block sees a later position of its block
-    assert not torch.allclose(bidirectional, base[1, 0], atol=1e-6)
-
-
-def test_flex_attention_block_mask_matches_the_dense_mask(tiny_target):
-    """The CUDA path (FlexAttention BlockMask) computes what the CPU path (SDPA + dense mask) does. Checked
-    with FlexAttention's eager implementation, forward only: torch has no FlexAttention backward on CPU."""
-    from transformers import AutoConfig
-
-    from flashdraft.model.objective import flex_block_mask
-
-    torch.manual_seed(0)
-    drafter = DFlashDrafter(draft_config(AutoConfig.from_pretrained(tiny_target), num_layers=2, block_size=8,
-                                         mask_token_id=127))
-    anchors, context = torch.tensor([3, 9, 17, 30]), 31
-    args = (torch.randn(1, 32, 64), torch.randn(1, context, 2 * 64), (anchors[:, None] + torch.arange(8)).view(1, -1),
-            torch.arange(context)[None])
-    with torch.no_grad():
-        dense = drafter(*args, block_attention_mask(anchors, 8, context)[None])
-        flex = drafter(*args, flex_block_mask(anchors, 8, context, "cpu"))
-    assert torch.allclose(dense, flex, atol=1e-5)
-
-
-def test_blocks_use_same_position_labels_and_decay():
-    ids = torch.arange(100, 140)
-    mask = torch.ones(40, dtype=torch.long)
-    mask[:5] = 0
-    anchors = torch.tensor([5, 12])
-    block_ids, positions, labels, weights = build_blocks(ids, mask, anchors, 4, mask_token_id=999)
-    assert block_ids.tolist() == [[105, 999, 999, 999], [112, 999, 999, 999]]
-    assert positions.tolist() == [[5, 6, 7, 8], [12, 13, 14, 15]]
-    assert labels.tolist() == [[105, 106, 107, 108], [112, 113, 114, 115]]  # the token AT anchor + k
-    assert weights[:, 0].tolist() == [0.0, 0.0]  # the anchor is not predicted
-    assert weights[0, 1] == 1.0 and weights[0, 2] < 1.0 and weights[0, 3] < weights[0, 2]
-
-
-def test_anchors_come_from_supervised_positions_where_a_block_fits():
-    mask = torch.zeros(30, dtype=torch.long)
-    mask[10:] = 1
-    anchors = sample_anchors(mask, 8, 100, torch.Generator().manual_seed(0))
-    assert anchors.tolist() == list(range(10, 23))  # ≤ 30 − 8
-    few = sample_anchors(mask, 8, 5, torch.Generator().manual_seed(0))
-    assert len(few) == 5 and set(few.tolist()) <= set(range(10, 23))
-    assert few.tolist() == sorted(few.tolist())
-
-
-def test_expected_acceptance_length():
-    assert expected_acceptance_length([]) == 1.0
-    assert expected_acceptance_length([1.0] * 15) == 16.0
-    assert expected_acceptance_length([0.5, 0.5]) == pytest.approx(1 + 0.5 + 0.25)
-    assert expected_acceptance_length([0.5, float("nan"), 1.0]) == 1.5
-
-
-def test_target_layer_ids_default():
-    assert uniform_layer_ids(36, 5) == [1, 9, 17, 25, 33]
 
 
 # ------------------------------------------------------------------------------------------- learning
@@ -291,26 +183,6 @@ def test_device_settings_per_local_rank():
     assert for_rank(None, 0) is None
     with pytest.raises(BadTrainingInput, match="local rank 2"):
         for_rank("cuda:0;cuda:1", 2)
-
-
-def test_export_round_trip(tiny_target, tmp_path):
-    from transformers import AutoConfig
-
-    config = draft_config(AutoConfig.from_pretrained(tiny_target), num_layers=2, block_size=8, mask_token_id=127)
-    drafter = DFlashDrafter(config)
-    save_drafter(drafter, tmp_path / "drafter", stats={"x": 1})
-    raw = json.loads((tmp_path / "drafter" / "config.json").read_text())
-    assert raw["architectures"] == ["DFlashDraftModel"] and raw["block_size"] == 8
-    assert raw["num_target_layers"] == 6 and raw["dflash_config"] == {"mask_token_id": 127, "target_layer_ids": [1, 3]}
-    assert raw["model_type"] == "qwen3" and raw["num_hidden_layers"] == 2
-    names = set(load_file(str(tmp_path / "drafter" / "model.safetensors")))
-    assert {"fc.weight", "hidden_norm.weight", "norm.weight", "layers.1.self_attn.k_norm.weight"} <= names
-    assert not any("embed" in n or "lm_head" in n or "rotary" in n for n in names)
-    assert read_manifest(tmp_path / "drafter").kind == "drafter"
-    loaded = load_drafter(tmp_path / "drafter")
-    for (name, a), (_, b) in zip(drafter.state_dict().items(), loaded.state_dict().items(), strict=True):
-        assert torch.equal(a, b), name
-    assert loaded.block_size == 8 and loaded.target_layer_ids == [1, 3] and loaded.mask_token_id == 127
 
 
 # ------------------------------------------------------------------------------------------- bad input

@@ -1,0 +1,100 @@
+"""The DFlash training objective: the block mask, same-position labels, anchors, τ from rates, layer picks."""
+
+import pytest
+import torch
+
+from flashdraft.model.drafter import DFlashDrafter, draft_config, uniform_layer_ids
+from flashdraft.model.objective import block_attention_mask, build_blocks, expected_acceptance_length, sample_anchors
+
+# ------------------------------------------------------------------------------------------- the mask
+
+
+def test_each_block_sees_only_earlier_context_and_itself():
+    from transformers import Qwen3Config
+
+    target_config = Qwen3Config(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=6,
+                                num_attention_heads=4, num_key_value_heads=2, head_dim=8)
+    torch.manual_seed(0)
+    drafter = DFlashDrafter(draft_config(target_config, num_layers=2, block_size=4, mask_token_id=127)).eval()
+    anchors = torch.tensor([10, 20, 30])
+    k, c = 4, 40
+    features = torch.randn(1, c, 2 * 32)
+    embeds = torch.randn(1, 3 * k, 32)
+    positions = (anchors[:, None] + torch.arange(k)).view(1, -1)
+    allowed = block_attention_mask(anchors, k, c)[None]
+
+    def out(f, e):
+        with torch.no_grad():
+            return drafter(e, f, positions, torch.arange(c)[None], allowed).view(3, k, -1)
+
+    base = out(features, embeds)
+
+    def changed(f=features, e=embeds):
+        return [not torch.allclose(base[n], out(f, e)[n], atol=1e-6) for n in range(3)]
+
+    f = features.clone()
+    f[0, 15] += 1.0  # visible to blocks anchored at 20 and 30 only
+    assert changed(f=f) == [False, True, True]
+    f = features.clone()
+    f[0, 20] += 1.0  # the anchor's own position: strictly-before means block 2 cannot see it
+    assert changed(f=f) == [False, False, True]
+    e = embeds.clone()
+    e[0, k + 2] += 1.0  # a token inside block 2: the whole block sees it (bidirectional), no other block
+    assert changed(e=e) == [False, True, False]
+    bidirectional = out(features, e)[1, 0]  # position 0 of that block sees a later position of its block
+    assert not torch.allclose(bidirectional, base[1, 0], atol=1e-6)
+
+
+def test_flex_attention_block_mask_matches_the_dense_mask(tiny_target):
+    """The CUDA path (FlexAttention BlockMask) computes what the CPU path (SDPA + dense mask) does. Checked
+    with FlexAttention's eager implementation, forward only: torch has no FlexAttention backward on CPU."""
+    from transformers import AutoConfig
+
+    from flashdraft.model.objective import flex_block_mask
+
+    torch.manual_seed(0)
+    drafter = DFlashDrafter(draft_config(AutoConfig.from_pretrained(tiny_target), num_layers=2, block_size=8,
+                                         mask_token_id=127))
+    anchors, context = torch.tensor([3, 9, 17, 30]), 31
+    args = (torch.randn(1, 32, 64), torch.randn(1, context, 2 * 64), (anchors[:, None] + torch.arange(8)).view(1, -1),
+            torch.arange(context)[None])
+    with torch.no_grad():
+        dense = drafter(*args, block_attention_mask(anchors, 8, context)[None])
+        flex = drafter(*args, flex_block_mask(anchors, 8, context, "cpu"))
+    assert torch.allclose(dense, flex, atol=1e-5)
+
+
+def test_blocks_use_same_position_labels_and_decay():
+    ids = torch.arange(100, 140)
+    mask = torch.ones(40, dtype=torch.long)
+    mask[:5] = 0
+    anchors = torch.tensor([5, 12])
+    block_ids, positions, labels, weights = build_blocks(ids, mask, anchors, 4, mask_token_id=999)
+    assert block_ids.tolist() == [[105, 999, 999, 999], [112, 999, 999, 999]]
+    assert positions.tolist() == [[5, 6, 7, 8], [12, 13, 14, 15]]
+    assert labels.tolist() == [[105, 106, 107, 108], [112, 113, 114, 115]]  # the token AT anchor + k
+    assert weights[:, 0].tolist() == [0.0, 0.0]  # the anchor is not predicted
+    assert weights[0, 1] == 1.0 and weights[0, 2] < 1.0 and weights[0, 3] < weights[0, 2]
+
+
+def test_anchors_come_from_supervised_positions_where_a_block_fits():
+    mask = torch.zeros(30, dtype=torch.long)
+    mask[10:] = 1
+    anchors = sample_anchors(mask, 8, 100, torch.Generator().manual_seed(0))
+    assert anchors.tolist() == list(range(10, 23))  # ≤ 30 − 8
+    few = sample_anchors(mask, 8, 5, torch.Generator().manual_seed(0))
+    assert len(few) == 5 and set(few.tolist()) <= set(range(10, 23))
+    assert few.tolist() == sorted(few.tolist())
+
+
+def test_expected_acceptance_length():
+    assert expected_acceptance_length([]) == 1.0
+    assert expected_acceptance_length([1.0] * 15) == 16.0
+    assert expected_acceptance_length([0.5, 0.5]) == pytest.approx(1 + 0.5 + 0.25)
+    assert expected_acceptance_length([0.5, float("nan"), 1.0]) == 1.5
+
+
+def test_target_layer_ids_default():
+    assert uniform_layer_ids(36, 5) == [1, 9, 17, 25, 33]
+
+
