@@ -38,6 +38,7 @@ class GenerateConfig(Section):
     concurrency: int = 64  # openai: requests in flight across all endpoints
     max_retries: int = 5  # openai: retries per request (429 / 5xx / connection), with backoff
     timeout_s: float = 600.0  # openai: per request
+    max_error_fraction: float = 0.0  # requests allowed to fail (after retries) for the artifact to count as done
     seed: int = 0
 
 

@@ -122,9 +122,12 @@ class LocalStore:
             return None
 
     def put_manifest(self, data: bytes) -> None:
+        self.put_bytes(MANIFEST, data)
+
+    def put_bytes(self, rel: str, data: bytes) -> None:
         from flashdraft.artifact.atomic import atomic_write_bytes
 
-        atomic_write_bytes(self.root / MANIFEST, data)
+        atomic_write_bytes(self.root / rel, data)
 
     def delete(self, rel: str) -> None:
         (self.root / rel).unlink(missing_ok=True)
@@ -223,13 +226,17 @@ class S3Store:
     def key(self, rel: str) -> str:
         return f"{self.prefix}/{rel}" if self.prefix else rel
 
-    def _call(self, what: str, fn: Callable, **kwargs):
+    def _call(self, what: str, fn: Callable, missing_ok: bool = False, **kwargs):
+        """One S3 call; every failure becomes a StoreError naming what was tried (None for a missing key
+        when `missing_ok`)."""
         from botocore.exceptions import BotoCoreError, ClientError
 
         try:
             return fn(Bucket=self.bucket, **kwargs)
         except ClientError as e:
             code = e.response.get("Error", {}).get("Code", "?")
+            if missing_ok and code in ("404", "NoSuchKey", "NotFound"):
+                return None
             message = e.response.get("Error", {}).get("Message", "")
             raise StoreError(self.redactor.redact(f"{what}: {code}: {message}")) from None
         except BotoCoreError as e:
@@ -251,14 +258,10 @@ class S3Store:
         return found
 
     def head(self, rel: str) -> Remote | None:
-        from botocore.exceptions import ClientError
-
-        try:
-            r = self.client.head_object(Bucket=self.bucket, Key=self.key(rel), ChecksumMode="ENABLED")
-        except ClientError as e:
-            if e.response.get("Error", {}).get("Code") in ("404", "NoSuchKey", "NotFound"):
-                return None
-            raise StoreError(self.redactor.redact(f"head {rel}: {e}")) from None
+        key = self.key(rel)
+        r = self._call(f"head {rel}", self.client.head_object, missing_ok=True, Key=key, ChecksumMode="ENABLED")
+        if r is None:
+            return None
         return Remote(r["ContentLength"], _hex(r.get("ChecksumSHA256")), _hex(r.get("ChecksumCRC64NVME")))
 
     def upload(self, local: Path, entry: FileEntry, progress: Progress, part_size: int = DEFAULT_PART_SIZE) -> None:
@@ -323,7 +326,10 @@ class S3Store:
                 ChecksumType="FULL_OBJECT",
             )
         except BaseException:
-            self.client.abort_multipart_upload(Bucket=self.bucket, Key=key, UploadId=upload_id)
+            try:  # best effort: the server may be what failed; the original error is the one to report
+                self.client.abort_multipart_upload(Bucket=self.bucket, Key=key, UploadId=upload_id)
+            except Exception:
+                pass
             raise
 
     def download(self, rel: str, dest: Path, entry: FileEntry, progress: Progress) -> None:
@@ -339,14 +345,15 @@ class S3Store:
         return digest.digest().sha256
 
     def read_bytes(self, rel: str) -> bytes | None:
-        from botocore.exceptions import ClientError
+        r = self._call(f"read {rel}", self.client.get_object, missing_ok=True, Key=self.key(rel))
+        return None if r is None else r["Body"].read()
 
-        try:
-            return self.client.get_object(Bucket=self.bucket, Key=self.key(rel))["Body"].read()
-        except ClientError as e:
-            if e.response.get("Error", {}).get("Code") in ("404", "NoSuchKey", "NotFound"):
-                return None
-            raise StoreError(self.redactor.redact(f"read {rel}: {e}")) from None
+    def put_bytes(self, rel: str, data: bytes) -> None:
+        """A small object flashdraft keeps for itself (under an internal name)."""
+        import hashlib
+
+        self._call(f"write {rel}", self.client.put_object, Key=self.key(rel), Body=data,
+                   ChecksumSHA256=_b64(hashlib.sha256(data).hexdigest()))
 
     def put_manifest(self, data: bytes) -> None:
         """Conditional create: the manifest appears once, whole, and never over another writer's."""

@@ -22,7 +22,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TransferSpeedColumn
 
-from flashdraft.artifact.atomic import atomic_write_bytes, atomic_write_text
+from flashdraft.artifact.atomic import INTERNAL_PREFIX, atomic_write_bytes, atomic_write_text
 from flashdraft.artifact.manifest import (
     MANIFEST,
     FileEntry,
@@ -192,6 +192,8 @@ def push(
     console: Console | None = None,
     log: Callable[[str], None] = print,
 ) -> SyncResult:
+    if getattr(store, "prefix", None) == "":
+        raise StoreError(f"refusing to push to the bucket root {store.url}: name a prefix (e.g. {store.url}/run1/data)")
     manifest, raw = local_manifest(Path(src), log)
     result = SyncResult("push", str(src), store.url)
     listing = store.list()
@@ -213,7 +215,17 @@ def push(
         result.already_done, result.skipped, result.verified = True, len(manifest.files), len(manifest.files)
         return result
 
+    # What earlier manifests of this artifact listed: the only objects --delete may remove (checked before
+    # anything changes). Kept under an internal name while the manifest is absent, so a push killed midway
+    # still knows on its rerun.
+    earlier = _listed_by(store.read_bytes(EARLIER)) | _listed_by(remote_manifest)
+    foreign = [rel for rel in extra if rel not in earlier]
+    if delete and foreign:
+        raise VerifyFailed(store.url, [Problem(rel, "unlisted object that no earlier manifest of this artifact "
+                                                    "listed: not deleted (another artifact's? remove it by hand "
+                                                    "or push to an empty prefix)") for rel in foreign])
     if remote_manifest is not None:
+        store.put_bytes(EARLIER, json.dumps(sorted(earlier)).encode())
         store.delete(MANIFEST)  # the old artifact stops existing before any of its files change
     total = sum(e.size for e in to_send)
     with transfer_progress(console, total, "upload") as advance:
@@ -232,11 +244,31 @@ def push(
     store.put_manifest(raw)
     if store.read_bytes(MANIFEST) != raw:
         raise VerifyFailed(store.url, [Problem(MANIFEST, "the committed manifest does not read back identically")])
+    store.delete(EARLIER)
     memo.save(manifest, confirmed)
 
     result.transferred, result.bytes_transferred = len(to_send), total
     result.skipped, result.verified = len(manifest.files) - len(to_send), len(manifest.files)
     return result
+
+
+EARLIER = f"{INTERNAL_PREFIX}earlier-files.json"  # in the store: files earlier manifests listed (see push)
+
+
+def _listed_by(raw: bytes | None) -> set[str]:
+    """Paths a manifest (or the EARLIER list) names; nothing for one that is absent or unreadable."""
+    if raw is None:
+        return set()
+    try:
+        data = json.loads(raw)
+    except ValueError:
+        return set()
+    if isinstance(data, list):
+        return {p for p in data if isinstance(p, str)}
+    try:
+        return {e.path for e in parse_manifest(raw).files}
+    except ManifestError:
+        return set()
 
 
 class EtagMemo:

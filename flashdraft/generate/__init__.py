@@ -39,7 +39,7 @@ from flashdraft.artifact.manifest import (
     write_manifest,
 )
 from flashdraft.config import GenerateConfig
-from flashdraft.errors import ExpectedFailure
+from flashdraft.errors import BadInput, ExpectedFailure
 from flashdraft.generate.backends import Completion, make_backend
 from flashdraft.generate.prompts import BUILTIN, Prompt, builtin_prompts, in_shard, load_prompts
 from flashdraft.progress import progress
@@ -66,8 +66,17 @@ def source_digest(source: str) -> str:
     return content_digest(source)
 
 
+# How requests are made and how many may fail, not what is generated: changing them keeps the lineage, so a
+# run can be resumed with other endpoints or a looser error tolerance.
+NOT_LINEAGE = {"base_urls", "concurrency", "max_retries", "timeout_s", "max_error_fraction"}
+
+
 def lineage_for(cfg: GenerateConfig) -> Lineage:
-    return Lineage(inputs=[source_digest(cfg.prompts)], config=sha256_json(cfg.model_dump()))
+    return Lineage(inputs=[source_digest(cfg.prompts)], config=sha256_json(cfg.model_dump(exclude=NOT_LINEAGE)))
+
+
+class GenerationIncomplete(ExpectedFailure):
+    """More requests failed than generate.max_error_fraction allows: no manifest, a rerun retries them."""
 
 
 def claim_output(out: Path, lineage: Lineage) -> None:
@@ -139,32 +148,32 @@ def run(
     claim_output(out, lineage)
 
     prompt_set = load_prompts(cfg.prompts)
+    if not prompt_set.prompts:
+        atomic_write_text(out / "rejected.jsonl", jsonl([r.to_json() for r in prompt_set.rejected]))
+        raise BadInput(f"no prompts in {cfg.prompts}: {len(prompt_set.rejected)} line(s) rejected "
+                       f"(reasons in {out / 'rejected.jsonl'}); nothing to generate")
     mine = [p for p in prompt_set.prompts if in_shard(p.id, cfg.shard_index, cfg.num_shards)][: cfg.max_prompts]
     batches = [mine[i : i + cfg.batch_size] for i in range(0, len(mine), cfg.batch_size)]
-    pending = [k for k in range(len(batches)) if not (out / batch_name(k)).is_file()]
+    todo = {k: missing for k in range(len(batches)) if (missing := uncommitted(out, k, batches[k]))}
+    retried = sum(1 for k in todo if (out / batch_name(k)).is_file())
     log(
         f"generate: {len(mine)} prompts (shard {cfg.shard_index}/{cfg.num_shards}), {len(batches)} batches, "
-        f"{len(batches) - len(pending)} already committed; {len(prompt_set.rejected)} rejected lines, "
-        f"{prompt_set.duplicates} duplicates dropped"
+        f"{len(batches) - len(todo)} already committed, {retried} with failed requests to retry; "
+        f"{len(prompt_set.rejected)} rejected lines, {prompt_set.duplicates} duplicates dropped"
     )
     store = _open_upload_store(upload_to)
 
-    if pending:
+    if todo:
         backend = make_backend(cfg, log)
-        total, tokens, started = sum(len(batches[k]) for k in pending), 0, time.perf_counter()
+        total, tokens, started = sum(len(prompts) for prompts in todo.values()), 0, time.perf_counter()
         with progress(console, "generate {task.fields[tps]} tok/s", total=total, tps="–") as update:
-            for k in pending:
-                completions = backend.complete(batches[k], seed=cfg.seed + k)
-                ok = [(p, c) for p, c in zip(batches[k], completions, strict=True) if c.error is None]
-                failed = [{"id": p.id, "messages": p.messages, "reason": c.error}
-                          for p, c in zip(batches[k], completions, strict=True) if c.error is not None]
-                if failed:  # written first: the batch file's presence means the whole batch is accounted for
-                    atomic_write_text(out / errors_name(k), jsonl(failed))
-                atomic_write_text(out / batch_name(k), jsonl([to_record(p, c, backend.model_name, cfg) for p, c in ok]))
+            for k, prompts in todo.items():
+                completions = backend.complete(prompts, seed=cfg.seed + k)
+                commit_batch(out, k, batches[k], prompts, completions, backend.model_name, cfg)
                 if store is not None:
-                    _upload_now(store, out, [batch_name(k)] + ([errors_name(k)] if failed else []))
-                tokens += sum(c.completion_tokens for _, c in ok)
-                update(advance=len(batches[k]), tps=f"{tokens / (time.perf_counter() - started):,.0f}")
+                    _upload_now(store, out, [batch_name(k)])
+                tokens += sum(c.completion_tokens for c in completions if c.error is None)
+                update(advance=len(prompts), tps=f"{tokens / (time.perf_counter() - started):,.0f}")
 
     stats = _finalize(out, len(batches), prompt_set, lineage, cfg)
     log(
@@ -178,20 +187,71 @@ def run(
     return stats
 
 
+def read_batch(out: Path, k: int) -> list[dict[str, Any]]:
+    """The records of committed batch k; a file changed after it was committed is named, not trusted."""
+    path = out / batch_name(k)
+    records = []
+    for number, line in enumerate(path.read_text(encoding="utf-8", errors="replace").splitlines(), start=1):
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:
+            raise BadInput(f"{path}: line {number} is not JSON: the file changed after it was committed; "
+                           "delete it and rerun to regenerate that batch") from None
+    return records
+
+
+def uncommitted(out: Path, k: int, batch: list[Prompt]) -> list[Prompt]:
+    """The prompts of batch k that still need a completion: all of them if the batch was never committed, else
+    those whose requests failed (listed in its errors file, not in its batch file)."""
+    if not (out / batch_name(k)).is_file():
+        return batch
+    if not (out / errors_name(k)).is_file():
+        return []
+    done = {r["id"] for r in read_batch(out, k)}
+    return [p for p in batch if p.id not in done]
+
+
+def commit_batch(out: Path, k: int, batch: list[Prompt], prompts: list[Prompt], completions: list[Completion],
+                 model: str, cfg: GenerateConfig) -> None:
+    """Commit batch k after `prompts` (all of it, or the ones that failed before) were answered.
+
+    First time: the errors file is written before the batch file, whose presence means the whole batch is
+    accounted for. A retry adds its successes to the batch file first, then rewrites (or removes) the errors
+    file; a crash between leaves a record in both, and the batch file wins (see `_finalize`)."""
+    answered = {p.id: c for p, c in zip(prompts, completions, strict=True)}
+    kept = read_batch(out, k) if (out / batch_name(k)).is_file() else []
+    new = {p.id: to_record(p, c, model, cfg) for p, c in zip(prompts, completions, strict=True) if c.error is None}
+    by_id = {r["id"]: r for r in kept} | new
+    records = [by_id[p.id] for p in batch if p.id in by_id]  # in prompt order, whatever was retried
+    failed = [{"id": p.id, "messages": p.messages, "reason": answered[p.id].error}
+              for p in prompts if answered[p.id].error is not None]
+    if not kept and failed:
+        atomic_write_text(out / errors_name(k), jsonl(failed))
+    atomic_write_text(out / batch_name(k), jsonl(records))
+    if kept:
+        if failed:
+            atomic_write_text(out / errors_name(k), jsonl(failed))
+        else:
+            (out / errors_name(k)).unlink(missing_ok=True)
+
+
 def _finalize(out: Path, num_batches: int, prompt_set, lineage: Lineage, cfg: GenerateConfig) -> dict[str, Any]:
-    """Merge errors, write rejected lines, count from the committed files themselves, commit the manifest."""
+    """Merge errors, write rejected lines, count from the committed files themselves, and commit the manifest
+    unless more requests failed than `max_error_fraction` allows (then: no manifest, and a rerun retries)."""
     errors: list[str] = []
     stats = {"records": 0, "truncated": 0, "completion_tokens": 0, "prompt_tokens": 0, "stray_think_markers": 0}
     for k in range(num_batches):
-        for line in (out / batch_name(k)).read_text().splitlines():
-            record = json.loads(line)
+        records = read_batch(out, k)
+        for record in records:
             stats["records"] += 1
             stats["truncated"] += record["finish_reason"] == "length"
             stats["completion_tokens"] += record["completion_tokens"]
             stats["prompt_tokens"] += record["prompt_tokens"]
             stats["stray_think_markers"] += record["stray_think_markers"] > 0
         if (out / errors_name(k)).is_file():
-            errors.extend((out / errors_name(k)).read_text().splitlines(keepends=True))
+            done = {r["id"] for r in records}
+            lines = (out / errors_name(k)).read_text().splitlines(keepends=True)
+            errors.extend(line for line in lines if json.loads(line)["id"] not in done)
     atomic_write_text(out / "errors.jsonl", "".join(errors))
     atomic_write_text(out / "rejected.jsonl", jsonl([r.to_json() for r in prompt_set.rejected]))
     stats |= {
@@ -201,6 +261,14 @@ def _finalize(out: Path, num_batches: int, prompt_set, lineage: Lineage, cfg: Ge
         "batches": num_batches,
         "shard": [cfg.shard_index, cfg.num_shards],
     }
+    requests = stats["records"] + stats["errors"]
+    if stats["errors"] > cfg.max_error_fraction * requests:
+        reason = json.loads(errors[0])["reason"]
+        raise GenerationIncomplete(
+            f"{stats['errors']} of {requests} requests failed (first: {reason}); they are listed in "
+            f"{out / 'errors.jsonl'}. No manifest was written: rerun the same command to retry them (committed "
+            f"records are kept), or allow some with generate.max_error_fraction (now {cfg.max_error_fraction:g})"
+        )
     write_manifest(out, build_manifest(out, kind="completions", stats=stats, lineage=lineage))
     (out / CLAIM).unlink(missing_ok=True)
     return stats

@@ -109,21 +109,29 @@ def test_sigkill_then_rerun_ends_with_exactly_one_record_per_prompt(cli, tmp_pat
     assert verify_dir(out) == []
 
 
-def test_failed_requests_go_to_errors_jsonl(cli, tmp_path):
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+def test_failed_requests_are_not_done_and_a_rerun_retries_them(cli, tmp_path):
+    """The endpoint is down: every request fails. That is not "done": exit 1, no manifest, the failures in
+    errors.jsonl; a rerun retries them; only an explicit tolerance lets an artifact with errors count as done."""
+    port = _free_port()
     config = tmp_path / "c.yaml"
-    config.write_text("generate:\n  max_retries: 1\n  timeout_s: 5\n")
+    config.write_text("generate:\n  max_retries: 0\n  timeout_s: 5\n")
     src = prompts_file(tmp_path / "p.jsonl", 3)
     out = tmp_path / "gen"
-    proc = cli("generate", "--config", str(config), "--prompts", src, "--out", str(out), "--backend", "openai",
-               "--model", "m", "--base-url", f"http://127.0.0.1:{port}/v1", "--json", check=True)
-    stats = last_json(proc)
-    assert stats["records"] == 0 and stats["errors"] == 3
+    args = ["generate", "--config", str(config), "--prompts", src, "--out", str(out), "--backend", "openai",
+            "--model", "m", "--base-url", f"http://127.0.0.1:{port}/v1"]
+    proc = cli(*args)
+    assert proc.returncode == 1 and "3 of 3 requests failed" in proc.stderr and "Traceback" not in proc.stderr
+    assert "done, verified" not in proc.stdout + proc.stderr and not (out / MANIFEST).exists()
     errors = [json.loads(line) for line in (out / "errors.jsonl").read_text().splitlines()]
     assert len(errors) == 3 and all("Connection" in e["reason"] for e in errors)
-    assert verify_dir(out) == []
+
+    again = cli(*args)  # still down: the three are retried (not skipped as committed), and fail again
+    assert again.returncode == 1 and "1 with failed requests to retry" in again.stdout
+    assert len((out / "errors.jsonl").read_text().splitlines()) == 3
+
+    config.write_text("generate:\n  max_retries: 0\n  timeout_s: 5\n  max_error_fraction: 1.0\n")
+    stats = last_json(cli(*args, "--json", check=True))  # a stated tolerance: done, with the errors counted
+    assert stats["records"] == 0 and stats["errors"] == 3 and verify_dir(out) == []
 
 
 def test_shards_split_the_work_without_overlap(cli, tmp_path, tiny_model_dir):
@@ -225,11 +233,17 @@ def test_openai_backend_against_transformers_serve(cli, tmp_path, tiny_model_dir
                 time.sleep(0.5)
         src = prompts_file(tmp_path / "p.jsonl", 6)
         out = tmp_path / "gen"
-        proc = cli("generate", "--prompts", src, "--out", str(out), "--backend", "openai", "--base-url",
-                   f"http://127.0.0.1:{port}/v1", "--max-new-tokens", "8", "--batch-size", "3", "--json",
-                   check=True)
+        args = ["generate", "--prompts", src, "--out", str(out), "--backend", "openai", "--max-new-tokens", "8",
+                "--batch-size", "3"]
+        # First against an endpoint that is down: nothing is done, and the rerun below retries every prompt.
+        quick = tmp_path / "quick.yaml"
+        quick.write_text("generate:\n  max_retries: 0\n  timeout_s: 5\n")
+        down = cli(*args, "--config", str(quick), "--base-url", f"http://127.0.0.1:{_free_port()}/v1")
+        assert down.returncode == 1 and "6 of 6 requests failed" in down.stderr and not (out / MANIFEST).exists()
+        proc = cli(*args, "--base-url", f"http://127.0.0.1:{port}/v1", "--json", check=True)
+        assert "2 with failed requests to retry" in proc.stderr
         stats = last_json(proc)
-        assert stats["records"] == 6 and stats["errors"] == 0
+        assert stats["records"] == 6 and stats["errors"] == 0 and verify_dir(out) == []
         rows = records(out)
         assert all(0 < r["completion_tokens"] <= 8 and r["prompt_tokens"] > 0 for r in rows)
         assert all(r["model"] for r in rows)
