@@ -47,6 +47,8 @@ class App(typer.Typer):
                     return fn(*a, **kw)
                 except ExpectedFailure as e:
                     fail(str(e))
+                except OSError as e:  # the machine said no (disk full, read-only, not a directory): not a bug
+                    fail(f"{e.strerror}: {e.filename}" if e.strerror and e.filename else str(e))
 
             register(wrapped)
             return fn
@@ -256,12 +258,24 @@ def manifest(
         fail(f"unknown kind {kind!r}; one of {', '.join(KINDS)}")
     if not directory.is_dir():
         fail(f"{directory} is not a directory")
+    if (existing := _artifact_kind(directory)) not in (None, "files"):
+        fail(f"{directory} is a {existing} artifact whose stage wrote its manifest (stats, lineage); "
+             f"check it with `flashdraft verify {directory}` rather than replacing it")
     built = build_manifest(directory, kind=kind)
     digest = write_manifest(directory, built)
     summary = f"{len(built.files)} files, {built.total_bytes:,} bytes"
     human(json_out).print(f"manifest: {directory}/manifest.json — {summary}")
     if json_out:
         emit_json({"path": str(directory), "files": len(built.files), "bytes": built.total_bytes, "sha256": digest})
+
+
+def _artifact_kind(directory: Path) -> str | None:
+    from flashdraft.artifact.manifest import ManifestError, read_manifest
+
+    try:
+        return read_manifest(directory).kind
+    except ManifestError:
+        return None
 
 
 ProfileFlag = Annotated[str | None, typer.Option(help="AWS profile (credentials stay in ~/.aws, never in flags).")]

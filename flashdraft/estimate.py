@@ -66,8 +66,11 @@ class TargetShape:
 
 def target_shape(ref: str, config_file: Path | None = None) -> TargetShape:
     if config_file is not None:
-        raw = json.loads(Path(config_file).read_text())
-        return TargetShape.from_config(raw.get("text_config", raw), str(config_file))
+        try:
+            raw = json.loads(Path(config_file).read_text())
+            return TargetShape.from_config(raw.get("text_config", raw), str(config_file))
+        except (OSError, ValueError, AttributeError, TypeError, KeyError) as e:
+            raise EstimateError(f"--target-config {config_file} is not a model's config.json: {e}") from None
     from transformers import AutoConfig
 
     path = _local_ref(ref)
@@ -131,6 +134,10 @@ def estimate(
     tokens_per_s: float | None = None,
 ) -> dict[str, Any]:
     g, t, tr = cfg.generate, cfg.tokenize, cfg.train
+    if num_prompts is not None and num_prompts < 1:
+        raise EstimateError(f"--num-prompts must be at least 1 (got {num_prompts})")
+    if tokens_per_s is not None and tokens_per_s <= 0:
+        raise EstimateError(f"--tokens-per-s must be above 0 (got {tokens_per_s:g})")
     if num_prompts is None:
         count, prompt_tokens, how = prompt_lengths(g.prompts, t.tokenizer)
     else:
@@ -145,7 +152,7 @@ def estimate(
     layer_ids = tr.target_layer_ids or uniform_layer_ids(shape.layers, tr.num_layers)
     params = drafter_params(shape, tr.num_layers, len(layer_ids))
     steps = math.ceil(count / tr.batch_size) * tr.epochs
-    rate = tokens_per_s or DEFAULT_TOKENS_PER_S[g.backend] * max(1, len(g.base_urls))
+    rate = tokens_per_s if tokens_per_s is not None else DEFAULT_TOKENS_PER_S[g.backend] * max(1, len(g.base_urls))
     return {
         "prompts": count,
         "prompt_tokens_mean": round(prompt_tokens, 1),

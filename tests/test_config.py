@@ -50,8 +50,20 @@ def test_wrong_type_names_the_key(tmp_path):
 
 
 def test_bad_flag_value_is_blamed_on_the_flag():
-    with pytest.raises(ConfigError, match=r"command-line flag: train.epochs"):
+    with pytest.raises(ConfigError, match=r"--epochs \(train.epochs\)"):
         load_config(None, {"train.epochs": "x"})
+
+
+@pytest.mark.parametrize("key, value", [("train.epochs", 0), ("train.epochs", -1), ("train.max_steps", 0),
+                                        ("train.lr", -1.0), ("generate.batch_size", 0), ("generate.num_shards", 0),
+                                        ("generate.temperature", -1.0), ("tokenize.min_loss_fraction", 2.0),
+                                        ("eval.max_new_tokens", 0), ("train.block_size", 1)])
+def test_values_that_cannot_work_are_refused_naming_the_key(tmp_path, key, value):
+    section, name = key.split(".")
+    p = tmp_path / "c.yaml"
+    p.write_text(f"{section}:\n  {name}: {value}\n")
+    with pytest.raises(ConfigError, match=rf"c.yaml:2: {key}: Input should be"):
+        load_config(p)
 
 
 def test_invalid_yaml_and_non_mapping(tmp_path):

@@ -63,3 +63,20 @@ def atomic_write_bytes(path: str | Path, data: bytes) -> None:
 
 def atomic_write_text(path: str | Path, text: str) -> None:
     atomic_write_bytes(path, text.encode("utf-8"))
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+UMASK = _umask()  # read once, at import: os.umask can only be read by setting it
+
+
+def honour_umask(directory: Path) -> None:
+    """Give every file under `directory` the mode a plain `open` would (some writers, such as safetensors,
+    create files readable by their owner only, which a shared model directory cannot serve)."""
+    for path in Path(directory).rglob("*"):
+        if path.is_file() and not path.is_symlink():
+            os.chmod(path, 0o666 & ~UMASK)

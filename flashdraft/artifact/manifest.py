@@ -26,8 +26,8 @@ from awscrt.checksums import crc64nvme
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from flashdraft import __version__
-from flashdraft.artifact.atomic import INTERNAL_PREFIX, atomic_write_text
-from flashdraft.errors import ExpectedFailure
+from flashdraft.artifact.atomic import INTERNAL_PREFIX, atomic_write_text, honour_umask
+from flashdraft.errors import BadInput, ExpectedFailure
 
 MANIFEST = "manifest.json"
 HASH_CHUNK = 8 << 20  # bytes read at a time: memory per hashing thread stays at one chunk
@@ -160,6 +160,16 @@ def list_data_files(root: Path) -> list[str]:
     return sorted(found)
 
 
+def refuse_unportable(root: Path, rel: str) -> None:
+    """A file that could never verify elsewhere is refused before it is described: a name with a backslash
+    (a path separator on Windows, an error on pull) or a link that leads outside the artifact."""
+    if "\\" in rel:
+        raise BadInput(f"{root / rel}: a file name with a backslash cannot be stored portably; rename it")
+    path = root / rel
+    if path.is_symlink() and not path.resolve().is_relative_to(root.resolve()):
+        raise BadInput(f"{path} links outside the artifact (to {path.resolve()}); copy the file in instead")
+
+
 def build_manifest(
     root: str | Path,
     kind: Kind = "files",
@@ -170,8 +180,10 @@ def build_manifest(
     """Describe every data file under `root` (hashing on all cores)."""
     root = Path(root)
     if not root.is_dir():
-        raise FileNotFoundError(f"{root} is not a directory")
+        raise BadInput(f"{root} is not a directory")
     rels = list_data_files(root)
+    for rel in rels:
+        refuse_unportable(root, rel)
     paths = [root / r for r in rels]
     sizes = [p.stat().st_size for p in paths]
     digests = digest_files(paths, jobs)
@@ -195,6 +207,17 @@ def write_manifest(root: str | Path, manifest: Manifest) -> str:
     return hashlib.sha256(text.encode("utf-8")).hexdigest()
 
 
+def commit(root: str | Path, kind: Kind, *, stats: dict[str, Any] | None = None,
+           lineage: Lineage | None = None) -> Manifest:
+    """Commit the artifact at `root`: describe every file, write the manifest last, then check what was
+    written (every file present at its size, nothing unlisted) so "done, verified" is said of a check."""
+    manifest = build_manifest(root, kind=kind, stats=stats, lineage=lineage)
+    write_manifest(root, manifest)
+    if problems := verify_dir(root, deep=False):
+        raise NotVerified(f"{root} changed while it was committed: {problems[0]}")
+    return manifest
+
+
 @contextmanager
 def commit_dir(
     final: str | Path, kind: Kind, *, stats: dict[str, Any] | None = None, lineage: Lineage | None = None
@@ -208,7 +231,8 @@ def commit_dir(
     tmp.mkdir(parents=True)
     try:
         yield tmp
-        write_manifest(tmp, build_manifest(tmp, kind=kind, stats=stats, lineage=lineage))
+        honour_umask(tmp)
+        commit(tmp, kind, stats=stats, lineage=lineage)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -307,6 +331,20 @@ def verify_dir(root: str | Path, deep: bool = True, jobs: int | None = None) -> 
         if rel not in listed:
             problems.append(Problem(rel, "unlisted file: not in the manifest"))
     return problems
+
+
+class NotVerified(ExpectedFailure):
+    """An input artifact whose files no longer match its manifest: a stage refuses to use it."""
+
+
+def require_verified(root: str | Path, what: str, remedy: str) -> Manifest:
+    """A stage's input as it is now: its manifest if every file verifies (re-hashed), else NotVerified naming
+    the first file that does not and saying what to do."""
+    problems = verify_dir(root)
+    if problems:
+        more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
+        raise NotVerified(f"{what} {root} does not verify: {problems[0]}{more}; {remedy}")
+    return read_manifest(root)
 
 
 # ---------------------------------------------------------------------------------------------- skip logic

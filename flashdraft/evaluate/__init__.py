@@ -26,13 +26,14 @@ import torch
 
 from flashdraft.artifact.atomic import atomic_write_text
 from flashdraft.artifact.manifest import (
+    MANIFEST,
     Lineage,
-    build_manifest,
     check_done,
+    commit,
     identity,
     read_manifest,
+    require_verified,
     sha256_json,
-    write_manifest,
 )
 from flashdraft.config import EvalConfig
 from flashdraft.errors import BadInput
@@ -58,6 +59,13 @@ def run(
     drafter_dir, out = Path(drafter_dir), Path(out)
     if not (drafter_dir / "config.json").is_file():
         raise BadInput(f"{drafter_dir} holds no drafter (config.json): run `flashdraft train` first")
+    if (drafter_dir / MANIFEST).exists():
+        require_verified(drafter_dir, "drafter", "re-export it (rerun `flashdraft train`) or pull it again")
+    else:
+        log(f"eval: {drafter_dir} has no manifest (a drafter from elsewhere): its files are not verified")
+    prompts = load_prompts(cfg.prompts).prompts[: cfg.max_prompts]
+    if not prompts:
+        raise BadInput(f"no usable prompts in {cfg.prompts}: nothing to measure τ on")
     target_path = resolve_model(target_ref or cfg.target, log=log)
     lineage = Lineage(
         inputs=[identity(drafter_dir)], config=sha256_json({"eval": cfg.model_dump(), "target": target_path})
@@ -77,7 +85,6 @@ def run(
         )
     tokenizer = AutoTokenizer.from_pretrained(target_path)
     decoder = SpecDecoder(target, drafter, stop_token_ids(tokenizer, target.model.generation_config.eos_token_id))
-    prompts = load_prompts(cfg.prompts).prompts[: cfg.max_prompts]
 
     per_prompt = []
     generator = torch.Generator(device=device).manual_seed(cfg.seed)
@@ -105,7 +112,7 @@ def run(
     plot(report, out)
     stats = {key: report[key] for key in ("acceptance_length", "lossless", "speedup", "lookup_acceptance_length",
                                           "lookup_speedup", "prompts", "tokens_per_s")}
-    write_manifest(out, build_manifest(out, kind="eval", stats=stats, lineage=lineage))
+    commit(out, "eval", stats=stats, lineage=lineage)
     log(
         f"eval: done, verified — {out}: τ {report['acceptance_length']:.2f}, speedup {report['speedup']:.2f}× vs "
         f"target-only, lossless {report['lossless']}; prompt lookup τ {report['lookup_acceptance_length']:.2f}, "

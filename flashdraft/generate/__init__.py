@@ -28,20 +28,19 @@ from flashdraft.artifact.manifest import (
     FileEntry,
     Lineage,
     ManifestError,
-    build_manifest,
     check_done,
+    commit,
     content_digest,
     digest_file,
     list_data_files,
     read_manifest,
     sha256_json,
     verify_dir,
-    write_manifest,
 )
 from flashdraft.config import GenerateConfig
 from flashdraft.errors import BadInput, ExpectedFailure
-from flashdraft.generate.backends import Completion, make_backend
-from flashdraft.generate.prompts import BUILTIN, Prompt, builtin_prompts, in_shard, load_prompts
+from flashdraft.generate.backends import Completion, context_rejections, make_backend
+from flashdraft.generate.prompts import BUILTIN, Prompt, Rejected, builtin_prompts, in_shard, load_prompts
 from flashdraft.progress import progress
 
 CLAIM = ".flashdraft-generate.json"  # in-progress marker: which lineage the partial batches belong to
@@ -153,6 +152,9 @@ def run(
         raise BadInput(f"no prompts in {cfg.prompts}: {len(prompt_set.rejected)} line(s) rejected "
                        f"(reasons in {out / 'rejected.jsonl'}); nothing to generate")
     mine = [p for p in prompt_set.prompts if in_shard(p.id, cfg.shard_index, cfg.num_shards)][: cfg.max_prompts]
+    too_long = context_rejections(cfg, mine, log)
+    prompt_set.rejected.extend(Rejected(None, too_long[p.id], id=p.id) for p in mine if p.id in too_long)
+    mine = [p for p in mine if p.id not in too_long]
     batches = [mine[i : i + cfg.batch_size] for i in range(0, len(mine), cfg.batch_size)]
     todo = {k: missing for k in range(len(batches)) if (missing := uncommitted(out, k, batches[k]))}
     retried = sum(1 for k in todo if (out / batch_name(k)).is_file())
@@ -269,7 +271,7 @@ def _finalize(out: Path, num_batches: int, prompt_set, lineage: Lineage, cfg: Ge
             f"{out / 'errors.jsonl'}. No manifest was written: rerun the same command to retry them (committed "
             f"records are kept), or allow some with generate.max_error_fraction (now {cfg.max_error_fraction:g})"
         )
-    write_manifest(out, build_manifest(out, kind="completions", stats=stats, lineage=lineage))
+    commit(out, "completions", stats=stats, lineage=lineage)
     (out / CLAIM).unlink(missing_ok=True)
     return stats
 

@@ -13,6 +13,8 @@ from __future__ import annotations
 import asyncio
 import importlib.util
 import itertools
+import logging
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -55,6 +57,33 @@ def make_backend(cfg: GenerateConfig, log=print):
 
 
 # ---------------------------------------------------------------------------------------------- hf
+
+
+def context_rejections(cfg: GenerateConfig, prompts: list[Prompt], log=print) -> dict[str, str]:
+    """hf backend: the prompts whose rendered tokens plus max_new_tokens exceed the target's context, each with
+    the reason. They are rejected before generation (a model past its context writes garbage, not an error).
+    Other backends: the server checks, and a request it refuses is an error record."""
+    if cfg.backend != "hf" or not prompts:
+        return {}
+    from transformers import AutoConfig, AutoTokenizer
+
+    from flashdraft.model.resolve import resolve_model
+
+    path = resolve_model(cfg.model, log=log)
+    config = AutoConfig.from_pretrained(path)
+    context = getattr(getattr(config, "text_config", config), "max_position_embeddings", None)
+    if context is None:
+        return {}
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    rejected = {}
+    for prompt in prompts:
+        text = tokenizer.apply_chat_template(prompt.messages, add_generation_prompt=True, tokenize=False,
+                                             enable_thinking=cfg.thinking)
+        n = len(tokenizer(text, add_special_tokens=False)["input_ids"])
+        if n + cfg.max_new_tokens > context:
+            rejected[prompt.id] = (f"prompt is {n} tokens; with max_new_tokens {cfg.max_new_tokens} it exceeds the "
+                                   f"target's context of {context} tokens")
+    return rejected
 
 
 class HFBackend:
@@ -136,6 +165,7 @@ class OpenAIBackend:
         if not cfg.base_urls:
             raise BadInput("the openai backend needs at least one --base-url (e.g. http://host:8000/v1)")
         self.cfg = cfg
+        RetryReport.attach(log, cfg)
         self.model_name = cfg.model if cfg.model != EMBEDDED_TARGET else asyncio.run(self._served_model())
         log(f"generate: openai backend, model {self.model_name!r}, {len(cfg.base_urls)} endpoint(s)")
 
@@ -152,9 +182,14 @@ class OpenAIBackend:
 
     async def _served_model(self) -> str:
         """With no --model, ask the first endpoint what it serves."""
+        import openai
+
         client = self._clients()[0]
         try:
             return (await client.models.list()).data[0].id
+        except (openai.OpenAIError, IndexError) as e:
+            raise BadInput(f"cannot ask {self.cfg.base_urls[0]} which model it serves ({type(e).__name__}: {e}); "
+                           "is the server up? Or pass --model") from None
         finally:
             await client.close()
 
@@ -201,6 +236,33 @@ class OpenAIBackend:
             completion_tokens=usage.completion_tokens if usage else 0,
             stray_think_markers=stray,
         )
+
+
+class RetryReport(logging.Handler):
+    """Makes the openai client's retries visible in the log (at most one line per 10 s, with a count), so a
+    server that accepts connections but never answers shows up long before every retry has timed out."""
+
+    def __init__(self, log, cfg: GenerateConfig) -> None:
+        super().__init__(logging.INFO)
+        self.say, self.cfg, self.count, self.last = log, cfg, 0, 0.0
+
+    @classmethod
+    def attach(cls, log, cfg: GenerateConfig) -> None:
+        logger = logging.getLogger("openai")
+        for old in [h for h in logger.handlers if isinstance(h, cls)]:
+            logger.removeHandler(old)
+        logger.addHandler(cls(log, cfg))
+        logger.setLevel(min(logger.level or logging.INFO, logging.INFO))
+
+    def emit(self, record: logging.LogRecord) -> None:
+        message = record.getMessage()
+        if not message.startswith("Retrying request"):
+            return
+        self.count += 1
+        if time.monotonic() - self.last >= 10:
+            self.last = time.monotonic()
+            self.say(f"generate: {self.count} request retries so far ({message}; up to {self.cfg.max_retries} "
+                     f"retries of {self.cfg.timeout_s:g} s each per request)")
 
 
 def _api_key() -> str:

@@ -32,12 +32,13 @@ class Prompt:
 
 @dataclass(frozen=True)
 class Rejected:
-    line: int  # 1-based line (JSONL) or row number (Parquet / datasets)
+    line: int | None  # 1-based line (JSONL) or row number (Parquet / datasets); None: rejected by id, later
     reason: str
     raw: str = ""
+    id: str | None = None
 
     def to_json(self) -> dict[str, Any]:
-        return {"line": self.line, "reason": self.reason, "raw": self.raw[:500]}
+        return {"line": self.line, "id": self.id, "reason": self.reason, "raw": self.raw[:500]}
 
 
 @dataclass

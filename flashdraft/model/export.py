@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from transformers import Qwen3Config
 
@@ -48,6 +49,8 @@ def load_drafter(path: str | Path, device: str | torch.device = "cpu", dtype=tor
     config.dflash_config = raw["dflash_config"]
     config.draft_vocab_size = raw.get("draft_vocab_size")
     drafter = DFlashDrafter(config)
-    state = load_file(str(path / "model.safetensors"))
-    drafter.load_state_dict(state)
+    try:
+        drafter.load_state_dict(load_file(str(path / "model.safetensors")))
+    except (OSError, SafetensorError, RuntimeError) as e:  # missing, truncated, or of another shape
+        raise BadInput(f"{path}/model.safetensors cannot be loaded as this drafter: {e}") from None
     return drafter.to(device=device, dtype=dtype)

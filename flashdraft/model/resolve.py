@@ -73,6 +73,9 @@ def resolve_model(ref: str, log=print) -> str:
     path = Path(ref)
     if path.suffix == ".gguf" and path.is_file():
         return str(convert_gguf(path, cache_dir() / "models" / path.stem.lower(), log))
+    looks_like_path = path.is_absolute() or ref.startswith((".", "~")) or path.suffix == ".gguf" or ref.count("/") > 1
+    if looks_like_path and not path.exists():  # a hub id is `name` or `org/name`
+        raise BadInput(f"model not found: {ref} (not a directory, GGUF file or hub id)")
     return ref
 
 
@@ -80,3 +83,8 @@ def stop_token_ids(tokenizer, generation_eos: int | list[int] | None) -> set[int
     """Every end-of-turn id serving stops on: the tokenizer's eos and generation_config's eos_token_id(s)."""
     eos = generation_eos if isinstance(generation_eos, list) else [generation_eos]
     return {i for i in [*eos, tokenizer.eos_token_id] if i is not None}
+
+
+def vocab_fingerprint(tokenizer) -> str:
+    """A tokenizer's identity for compatibility checks: the digest of its vocabulary (added tokens included)."""
+    return sha256_json(sorted(tokenizer.get_vocab().items()))

@@ -31,19 +31,20 @@ from flashdraft.artifact.atomic import atomic_write_text
 from flashdraft.artifact.manifest import (
     MANIFEST,
     Lineage,
-    build_manifest,
     check_done,
+    commit,
     content_digest,
     identity,
     list_data_files,
     read_manifest,
     sha256_json,
-    write_manifest,
 )
 from flashdraft.config import TokenizeConfig
 from flashdraft.errors import BadInput, ExpectedFailure
+from flashdraft.model.resolve import vocab_fingerprint
 from flashdraft.progress import progress
 from flashdraft.tokenize.records import input_records
+from flashdraft.tokenize.render import Renderer
 from flashdraft.tokenize.shards import ShardWriter
 from flashdraft.tokenize.workers import CHUNK, ChunkResult, init_pool_worker, init_worker, no_cyclic_gc, process_chunk
 
@@ -141,12 +142,13 @@ def run(
             if n
         },
         "input_kind": "completions" if from_generate else "conversations",
+        "tokenizer_vocab": vocab_fingerprint(Renderer.load(tokenizer_path).tokenizer),
     }
     atomic_write_text(out / "rejected.jsonl", "".join(json.dumps(r) + "\n" for r in totals.rejected))
     shards = writer.finish(lineage.config)
     stats["shards"] = [{"file": f, **s} for f, s in zip(shards, writer.shard_stats, strict=True)]
     _gate(stats, cfg)
-    write_manifest(out, build_manifest(out, kind="dataset", stats=stats, lineage=lineage))
+    commit(out, "dataset", stats=stats, lineage=lineage)
     log(
         f"tokenize: done, verified — {out}: {stats['samples']} samples, {tokens:,} tokens, "
         f"{stats['loss_fraction']:.1%} supervised, {stats['rejected']} rejected, {stats['truncated']} truncated, "

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from flashdraft.artifact.manifest import read_manifest
+from flashdraft.artifact.manifest import MANIFEST, require_verified
 from flashdraft.errors import BadInput
 from flashdraft.records import BadRecord, check_turn, jsonl_lines, parse_json, prompt_id
 
@@ -27,15 +27,16 @@ class Conversation:
 
 
 def input_records(source: Path) -> tuple[Iterator[Item], bool]:
-    """(records as (file, line, raw JSON or row), whether the input is a generate artifact)."""
+    """(records as (file, line, raw JSON or row), whether the input is a generate artifact). An artifact is
+    used only if it verifies; a generate run that never finished is refused, not read as plain files."""
     if source.is_dir():
-        try:
-            kind = read_manifest(source).kind
-        except Exception:
-            kind = None
-        if kind == "completions":
-            files = sorted(source.glob("batch-*[0-9].jsonl"))
-            return _jsonl_lines(files), True
+        if (source / MANIFEST).exists():
+            manifest = require_verified(source, "input", "regenerate it, or pull it from the store again")
+            if manifest.kind == "completions":
+                return _jsonl_lines(sorted(source.glob("batch-*[0-9].jsonl"))), True
+        elif any(source.glob("batch-*[0-9].jsonl")):
+            raise BadInput(f"{source} is an unfinished generate run (batch files, no manifest): rerun "
+                           "`flashdraft generate` with the same --out to finish it, then tokenize")
         files = sorted(p for p in source.iterdir() if p.suffix in (".jsonl", ".json", ".parquet"))
         if not files:
             raise BadInput(f"{source} holds no .jsonl / .parquet files (and is not a generate artifact)")

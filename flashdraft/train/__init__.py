@@ -38,18 +38,26 @@ from flashdraft.artifact.manifest import (
     identity,
     manifest_digest,
     read_manifest,
+    require_verified,
     sha256_json,
 )
 from flashdraft.config import TrainConfig
-from flashdraft.layout import DRAFTER
+from flashdraft.layout import CHECKPOINTS, DRAFTER
 from flashdraft.model.drafter import DFlashDrafter, draft_config
 from flashdraft.model.export import save_drafter
 from flashdraft.model.objective import expected_acceptance_length
 from flashdraft.model.target import Target
 from flashdraft.progress import progress
-from flashdraft.train.checkpoint import CheckpointShipper, latest_checkpoint, load_checkpoint, save_checkpoint
+from flashdraft.train.checkpoint import (
+    CheckpointShipper,
+    latest_checkpoint,
+    load_checkpoint,
+    other_work,
+    save_checkpoint,
+)
 from flashdraft.train.data import (
     BadTrainingInput,
+    check_tokenizer,
     choose_draft_vocab,
     load_dataset_checked,
     pick_mask_token,
@@ -79,6 +87,7 @@ def run(
     say = log if where.rank == 0 else (lambda s: None)
     if not (data / MANIFEST).is_file():
         raise BadTrainingInput(f"{data} is not a verified dataset (no manifest): run `flashdraft tokenize` first")
+    dataset_manifest = require_verified(data, "dataset", "re-run `flashdraft tokenize`, or pull it again")
     from flashdraft.model.resolve import resolve_model
 
     target_path = resolve_model(cfg.target, log=say)
@@ -98,10 +107,15 @@ def run(
             shipper.wait()
         return read_manifest(drafter_dir).stats
     resume = latest_checkpoint(out, lineage, say)
+    if resume is None and (other := other_work(out, lineage)):
+        raise BadTrainingInput(f"{out} holds {other} trained from other data or settings; training here would "
+                               f"discard it. Use another --out, or delete {out / DRAFTER} and {out / CHECKPOINTS} "
+                               "to retrain here (a feature cache there is reused when it still fits)")
     if require_checkpoint and resume is None:
         raise BadTrainingInput(f"--resume: {out} has no complete checkpoint of this run to resume from")
 
     s = setup(cfg, data, out, target_path, where, console, say)
+    check_tokenizer(dataset_manifest.stats.get("tokenizer_vocab"), target_path)
     position = {"step": 0, "epoch": 0, "batch": 0}
     if resume is not None:
         position = load_checkpoint(resume, s.drafter, s.optimizer, s.scheduler)

@@ -18,7 +18,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from flashdraft.artifact.atomic import atomic_write_text
-from flashdraft.artifact.manifest import Lineage, commit_dir, read_manifest, verify_dir
+from flashdraft.artifact.manifest import Lineage, ManifestError, commit_dir, read_manifest, verify_dir
 from flashdraft.config import TrainConfig
 from flashdraft.layout import CHECKPOINTS, DRAFTER, join
 
@@ -109,4 +109,16 @@ def latest_checkpoint(out: Path, lineage: Lineage, log: Callable[[str], None]) -
             log(f"train: ignoring checkpoint {path.name} (made from other data or settings)")
             continue
         return path
+    return None
+
+
+def other_work(out: Path, lineage: Lineage) -> str | None:
+    """A finished drafter or complete checkpoint in `out` made from other data or settings (None if none)."""
+    for path in [out / DRAFTER, *checkpoint_dirs(out)]:
+        try:
+            made = read_manifest(path).lineage
+        except ManifestError:
+            continue  # absent or incomplete: nothing finished to lose
+        if not made.same_work(lineage):
+            return f"{path.relative_to(out)}"
     return None

@@ -43,6 +43,22 @@ def load_dataset_checked(data: Path, block_size: int, vocab_size: int, max_lengt
     return dataset.with_format("numpy", columns=["input_ids", "loss_mask"])
 
 
+def check_tokenizer(dataset_vocab: str | None, target_path: str) -> None:
+    """The dataset's tokenizer (its vocabulary fingerprint, recorded by tokenize) must be the target's: ids
+    from another vocabulary train a drafter on tokens the target never meant."""
+    if dataset_vocab is None or not (Path(target_path) / "tokenizer.json").is_file():
+        return  # a dataset from elsewhere, or a target without a tokenizer beside its weights: nothing to compare
+    from transformers import PreTrainedTokenizerFast
+
+    from flashdraft.model.resolve import vocab_fingerprint
+
+    if vocab_fingerprint(PreTrainedTokenizerFast.from_pretrained(target_path)) != dataset_vocab:
+        raise BadTrainingInput(
+            f"the dataset was tokenized with another tokenizer than the target's ({target_path}): their "
+            "vocabularies differ. Re-run `flashdraft tokenize --tokenizer` with the target's tokenizer"
+        )
+
+
 def pick_mask_token(cfg: TrainConfig, target_config, target_path: str, dataset) -> int:
     """An id the target never sees in use: a padded embedding row if there is one, else the highest id
     that the training data never contains."""

@@ -2,6 +2,7 @@
 
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -170,6 +171,13 @@ def test_offline_features_are_the_online_ones_and_are_reused(tiny_target, tiny_d
         return [m["loss"] for m in map(json.loads, (out / "metrics.jsonl").open()) if "loss" in m]
 
     assert all(abs(a - b) < 0.02 for a, b in zip(losses(online), losses(offline), strict=True))
+    # Other settings into the same --out: refused, nothing discarded; once the old drafter and checkpoints are
+    # removed, it retrains there and the feature cache (same data, target, layers) is reused.
+    with pytest.raises(BadTrainingInput, match="holds drafter trained from other data or settings"):
+        run(tiny_cfg(tiny_target, max_steps=8, features="offline"), tiny_dataset, offline, log=quiet)
+    assert verify_dir(offline / "drafter") == []
+    shutil.rmtree(offline / "drafter")
+    shutil.rmtree(offline / "checkpoints")
     lines.clear()
     run(tiny_cfg(tiny_target, max_steps=8, features="offline"), tiny_dataset, offline, log=lines.append)
     assert any(line.startswith("features: already done, verified") for line in lines)
