@@ -378,3 +378,18 @@ def test_exported_files_have_the_mode_the_umask_gives(finished):
     os.umask(umask)
     for path in (finished / "train" / "drafter").iterdir():  # safetensors alone would write 0600
         assert path.stat().st_mode & 0o777 == 0o666 & ~umask, path
+
+
+def test_a_server_that_never_answers_shows_its_retries_and_fails_within_the_timeout(cli, tmp_path):
+    listener = socket.socket()  # accepts connections (the kernel's backlog) but never says a word
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(16)
+    try:
+        config = write_config(tmp_path, generate={"max_retries": 1, "timeout_s": 1})
+        src = write_prompts(tmp_path / "p.jsonl", ['{"prompt": "Hi"}'])
+        proc = cli("generate", "--prompts", src, "--out", str(tmp_path / "g"), "--backend", "openai", "--model", "m",
+                   "--base-url", f"http://127.0.0.1:{listener.getsockname()[1]}/v1", "--config", str(config))
+    finally:
+        listener.close()
+    failed_cleanly(proc, "1 of 1 requests failed", "Timeout")
+    assert "request retries so far" in proc.stdout
