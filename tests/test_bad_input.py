@@ -393,3 +393,11 @@ def test_a_server_that_never_answers_shows_its_retries_and_fails_within_the_time
         listener.close()
     failed_cleanly(proc, "1 of 1 requests failed", "Timeout")
     assert "request retries so far" in proc.stdout
+
+
+def test_asking_a_down_server_for_its_model_is_one_line(cli, tmp_path):
+    src = write_prompts(tmp_path / "p.jsonl", ['{"prompt": "Hi"}'])
+    config = write_config(tmp_path, generate={"max_retries": 0, "timeout_s": 2})
+    failed_cleanly(cli("generate", "--prompts", src, "--out", str(tmp_path / "g"), "--backend", "openai",
+                       "--base-url", f"http://127.0.0.1:{closed_port()}/v1", "--config", str(config)),
+                   "which model it serves", "pass --model")

@@ -234,7 +234,7 @@ def test_openai_backend_against_transformers_serve(cli, tmp_path, tiny_model_dir
         src = prompts_file(tmp_path / "p.jsonl", 6)
         out = tmp_path / "gen"
         args = ["generate", "--prompts", src, "--out", str(out), "--backend", "openai", "--max-new-tokens", "8",
-                "--batch-size", "3"]
+                "--batch-size", "3", "--model", tiny_model_dir]  # named: a server that is down cannot say
         # First against an endpoint that is down: nothing is done, and the rerun below retries every prompt.
         quick = tmp_path / "quick.yaml"
         quick.write_text("generate:\n  max_retries: 0\n  timeout_s: 5\n")
