@@ -56,7 +56,7 @@ def worker(length: int, anchors: int, layers: int, naive: bool, steps: int, mode
     mask[:32] = 0
     cfg = TrainConfig(block_size=16, max_anchors=anchors, max_length=length)
     embed = target.model.get_input_embeddings()
-    head = drafter.head_weight(target.model.lm_head.weight)
+    head = drafter.head_weight(target.lm_head.weight)
     cached = target.features(ids[None])[0] if offline else None  # the offline cache, read outside the clock
 
     def one_pass():

@@ -31,6 +31,56 @@ class Decoded:
         return acceptance_length(self.accepted)
 
 
+class TargetCache:
+    """The target's cache, kept at exactly the accepted prefix after every verify pass.
+
+    Attention layers' KV caches are cropped. A hybrid's linear-attention layers (Gated DeltaNet: a recurrent
+    state and a short convolution state, Qwen3.5/3.6) cannot be cropped: their state after the rejected drafts
+    has no inverse. They are snapshotted before each verify pass (a few small fixed-size tensors) and, after a
+    partial acceptance, restored and re-advanced over the accepted tokens with one more target pass. That is
+    exact with transformers' own kernels and needs no change to the model; per-position states would save the
+    extra pass but need kernels that emit every intermediate state. Only hybrids pay the extra pass.
+    """
+
+    def __init__(self, config) -> None:
+        from transformers import DynamicCache
+
+        self.cache = DynamicCache(config=config)
+        self.linear = _linear_layers(self.cache)
+
+    def snapshot(self) -> list | None:
+        if not self.linear:
+            return None
+        return [(layer, {i: t.clone() for i, t in layer.conv_states.items() if t is not None},
+                 {i: t.clone() for i, t in layer.recurrent_states.items() if t is not None}) for layer in self.linear]
+
+    def keep(self, block: torch.Tensor, accepted: int, snapshot: list | None, advance) -> None:
+        """After verifying `block` (1 × K tokens), keep its first `accepted` tokens."""
+        drop = block.shape[1] - accepted
+        if drop == 0:
+            return
+        if snapshot is None:  # attention only: a negative crop removes that many trailing tokens
+            self.cache.crop(-drop)
+            return
+        for layer in self.cache.layers:
+            if layer not in self.linear:
+                layer.crop(-block.shape[1])  # back to before the block; re-advanced below
+        for layer, conv, recurrent in snapshot:
+            for i, t in conv.items():
+                layer.conv_states[i] = t
+            for i, t in recurrent.items():
+                layer.recurrent_states[i] = t
+        advance(block[:, :accepted], self.cache)
+
+
+def _linear_layers(cache) -> list:
+    try:
+        from transformers.cache_utils import LinearAttentionCacheLayerMixin
+    except ImportError:  # transformers 4.x: no hybrid targets
+        return []
+    return [layer for layer in cache.layers if isinstance(layer, LinearAttentionCacheLayerMixin)]
+
+
 class SpecDecoder:
     """Speculative decoding of one prompt at a time with a DFlash drafter over the frozen target."""
 
@@ -38,10 +88,10 @@ class SpecDecoder:
         self.target, self.drafter, self.stop_ids = target, drafter.eval(), stop_ids
         target.watch(drafter.target_layer_ids)
         self.embed = target.model.get_input_embeddings()
-        self.lm_head = target.model.lm_head
+        self.lm_head = target.lm_head
         self.draft_head = target.head_weight(drafter)  # the LM head rows the drafter scores with, selected once
         # transformers ≥ 5.2x names the cache argument `cache`; earlier releases `past_key_values`.
-        params = inspect.signature(target.model.model.forward).parameters
+        params = inspect.signature(target.decoder.forward).parameters
         self.cache_kwarg = "cache" if "cache" in params else "past_key_values"
 
     def _target_pass(self, ids_BT: torch.Tensor, cache) -> tuple[torch.Tensor, torch.Tensor]:
@@ -51,12 +101,10 @@ class SpecDecoder:
 
     @torch.inference_mode()
     def generate(self, prompt_ids: list[int], max_new_tokens: int, temperature: float = 0.0, generator=None) -> Decoded:
-        from transformers import DynamicCache
-
         k, started = self.drafter.block_size, time.perf_counter()
         device = self.lm_head.weight.device
-        cache = DynamicCache(config=self.target.config)
-        logits, features = self._target_pass(torch.tensor([prompt_ids], device=device), cache)
+        state = TargetCache(self.target.config)
+        logits, features = self._target_pass(torch.tensor([prompt_ids], device=device), state.cache)
         ctx_kv = self.drafter.context_kv(features, torch.arange(len(prompt_ids), device=device)[None])
         anchor = int(_pick(logits[0, -1], temperature, generator))
         tokens, accepted, position = [anchor], [], len(prompt_ids)  # position: where the anchor sits
@@ -70,12 +118,10 @@ class SpecDecoder:
             )
             drafts = _pick(draft_logits, temperature, generator)
             block[0, 1:] = drafts
-            target_logits, features = self._target_pass(block, cache)
+            snapshot = state.snapshot()
+            target_logits, features = self._target_pass(block, state.cache)
             n, bonus = _verify(drafts, draft_logits, target_logits[0], temperature, generator)
-            # Keep the anchor and the accepted drafts. A negative crop removes that many trailing tokens
-            # in every transformers release (newer ones accept nothing else).
-            if k - n - 1 > 0:
-                cache.crop(-(k - n - 1))
+            state.keep(block, n + 1, snapshot, self._target_pass)  # the anchor and the accepted drafts
             new_kv = self.drafter.context_kv(features[:, : n + 1], positions[:, : n + 1])
             ctx_kv = [(torch.cat([k0, k1], dim=2), torch.cat([v0, v1], dim=2))
                       for (k0, v0), (k1, v1) in zip(ctx_kv, new_kv, strict=True)]
@@ -122,14 +168,14 @@ def _verify(drafts, draft_logits, target_logits, temperature: float, generator) 
 def counted_forwards(target: Target):
     """Count the target's forward passes (for prompt lookup's τ)."""
     calls = [0]
-    handle = target.model.model.register_forward_pre_hook(lambda *a: calls.__setitem__(0, calls[0] + 1))
+    handle = target.decoder.register_forward_pre_hook(lambda *a: calls.__setitem__(0, calls[0] + 1))
     return calls, handle
 
 
 @torch.inference_mode()
 def target_only(target: Target, prompt_ids: list[int], max_new_tokens: int, lookup: int = 0) -> tuple[list, float, int]:
     """Greedy target-only (or prompt-lookup) decoding: (new tokens, seconds, target forwards)."""
-    device = target.model.lm_head.weight.device
+    device = target.lm_head.weight.device
     calls, handle = counted_forwards(target)
     kwargs = {"prompt_lookup_num_tokens": lookup} if lookup else {}
     started = time.perf_counter()

@@ -45,10 +45,13 @@ def draft_config(
     target_layer_ids: list[int] | None = None,
     draft_vocab_size: int | None = None,
 ) -> Qwen3Config:
-    """A Qwen3-shaped config with the target's hidden size, heads, MLP, norms and RoPE."""
-    t = target_config
+    """A Qwen3-shaped config with the target's hidden size, heads, MLP, norms and RoPE base (read from its text
+    config: a VLM wrapper's `text_config`). The drafter rotates the whole head dimension, so a target's
+    `partial_rotary_factor` (Qwen3.5/3.6) is not copied: the export states only what the drafter computes."""
+    t = target_config.get_text_config() if hasattr(target_config, "get_text_config") else target_config
     head_dim = getattr(t, "head_dim", None) or t.hidden_size // t.num_attention_heads
     rope = getattr(t, "rope_parameters", None) or {"rope_type": "default", "rope_theta": getattr(t, "rope_theta", 1e4)}
+    rope = {k: v for k, v in rope.items() if k != "partial_rotary_factor"}
     layer_ids = target_layer_ids or uniform_layer_ids(t.num_hidden_layers, num_layers)
     config = Qwen3Config(
         vocab_size=t.vocab_size,
@@ -252,10 +255,13 @@ class DFlashDrafter(nn.Module):
         rope_ctx = self.rope(ctx_BCD, ctx_pos_BC)
         return [layer.self_attn.context_kv(ctx_BCD, rope_ctx) for layer in self.layers]
 
-    def init_from_target(self, target: nn.Module) -> None:
-        """Start the draft layers from the target's last layers (a lever for small data)."""
-        target_layers = target.model.layers[-len(self.layers) :]
-        for mine, theirs in zip(self.layers, target_layers, strict=True):
+    def init_from_target(self, target_layers: list[nn.Module]) -> None:
+        """Start the draft layers from the target's last attention layers (a lever for small data); a hybrid's
+        linear-attention layers have no q/k/v to copy."""
+        pairs = min(len(self.layers), len(target_layers))  # a hybrid may have fewer attention layers than we do
+        if pairs == 0:
+            return
+        for mine, theirs in zip(self.layers[-pairs:], target_layers[-pairs:], strict=True):
             own = mine.state_dict()
             for name, tensor in theirs.state_dict().items():
                 if name in own and own[name].shape == tensor.shape:

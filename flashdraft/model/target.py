@@ -13,7 +13,29 @@ from collections.abc import Callable
 
 import torch
 
+from flashdraft.errors import BadInput
 from flashdraft.model.drafter import DFlashDrafter
+
+
+def language_model(model: torch.nn.Module) -> tuple[torch.nn.Module, torch.nn.Module, object]:
+    """(decoder, LM head, text config) of a causal LM, wherever its language model lives: `model.model`
+    (Llama, Qwen3, MoE, and what AutoModelForCausalLM makes of a Qwen3.5/3.6 checkpoint) or
+    `model.model.language_model` / `model.language_model` (VLM wrappers). The decoder has `.layers` and is
+    called with `input_ids`; the text config has the hidden size, layers, heads, vocab and RoPE."""
+    inner = getattr(model, "model", None)
+    candidates = [getattr(inner, "language_model", None), inner, getattr(model, "language_model", None)]
+    decoder = next((m for m in candidates if m is not None and hasattr(m, "layers")), None)
+    head = model.get_output_embeddings()
+    if decoder is None or head is None:
+        missing = "decoder layers (model.layers, model.language_model.layers)" if decoder is None else "LM head"
+        raise BadInput(f"{type(model).__name__}: cannot find its {missing}; flashdraft handles causal LMs such "
+                       "as Llama, Qwen3, Qwen3-MoE and Qwen3.5/3.6 (text-only or VLM-wrapped)")
+    return decoder, head, model.config.get_text_config()
+
+
+def attention_layers(decoder: torch.nn.Module) -> list[torch.nn.Module]:
+    """The decoder layers with softmax attention (all of them, except a hybrid's linear-attention layers)."""
+    return [layer for layer in decoder.layers if hasattr(layer, "self_attn")]
 
 
 class Target:
@@ -30,14 +52,14 @@ class Target:
         if not many:
             self.model.to(device)
         self.model.requires_grad_(False)
-        self.config = self.model.config
+        self.decoder, self.lm_head, self.config = language_model(self.model)
         self._captured: dict[int, torch.Tensor] = {}
         self._hooks: list = []
 
     def watch(self, layer_ids: list[int]) -> None:
         for handle in self._hooks:
             handle.remove()
-        layers = self.model.model.layers
+        layers = self.decoder.layers
         for i in layer_ids:
             self._hooks.append(layers[i].register_forward_hook(self._capture(i)))
         self.layer_ids = list(layer_ids)
@@ -51,7 +73,7 @@ class Target:
     def forward(self, input_ids_BT: torch.Tensor, **kwargs):
         """The base model (no LM head) over tokens, with any cache kwargs: (its output, the watched layers'
         outputs concatenated, B × T × n·D)."""
-        output = self.model.model(input_ids=input_ids_BT.to(self.model.device), **kwargs)
+        output = self.decoder(input_ids=input_ids_BT.to(self.lm_head.weight.device), **kwargs)
         features = torch.cat([self._captured[i] for i in self.layer_ids], dim=-1)
         self._captured.clear()
         return output, features
@@ -63,7 +85,7 @@ class Target:
     def head_weight(self, drafter: DFlashDrafter) -> torch.Tensor:
         """The LM head rows the drafter scores with (all of them, or its reduced draft vocabulary)."""
         if getattr(self, "_head_for", None) is not drafter:
-            self._head, self._head_for = drafter.head_weight(self.model.lm_head.weight), drafter
+            self._head, self._head_for = drafter.head_weight(self.lm_head.weight), drafter
         return self._head
 
     def discard_features(self) -> None:

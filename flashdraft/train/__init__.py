@@ -46,7 +46,7 @@ from flashdraft.layout import CHECKPOINTS, DRAFTER
 from flashdraft.model.drafter import DFlashDrafter, draft_config
 from flashdraft.model.export import save_drafter
 from flashdraft.model.objective import expected_acceptance_length
-from flashdraft.model.target import Target
+from flashdraft.model.target import Target, attention_layers
 from flashdraft.progress import progress
 from flashdraft.train.checkpoint import (
     CheckpointShipper,
@@ -186,7 +186,7 @@ def setup(cfg: TrainConfig, data: Path, out: Path, target_path: str, where: Plac
     torch.manual_seed(cfg.seed)
     drafter = DFlashDrafter(config).to(where.device)
     if cfg.init_from_target:
-        drafter.init_from_target(target.model)
+        drafter.init_from_target(attention_layers(target.decoder))
     if cfg.draft_vocab_size:
         vocab = choose_draft_vocab(dataset.select(train_ids), cfg.draft_vocab_size, target.config.vocab_size)
         drafter.set_draft_vocab(vocab)

@@ -109,7 +109,7 @@ def test_reduced_draft_vocab_trains_exports_and_decodes_losslessly(target, tmp_p
 def reference_decode(target: Target, drafter: DFlashDrafter, prompt: list[int], max_new: int) -> tuple[list, list]:
     """Greedy speculative decoding recomputed from scratch at every step: no KV cache anywhere."""
     k = drafter.block_size
-    embed, head = target.model.get_input_embeddings(), target.model.lm_head
+    embed, head = target.model.get_input_embeddings(), target.lm_head
     with torch.no_grad():
         logits = target.model(torch.tensor([prompt])).logits
         tokens, accepted = [int(logits[0, -1].argmax())], []

@@ -90,7 +90,7 @@ def test_overfit_one_sequence_reproduces_it_at_block_positions(tiny_target, tmp_
         embeds = target.model.get_input_embeddings()(block_ids.view(1, -1))
         hidden = drafter(embeds, features, positions.view(1, -1), torch.arange(40)[None],
                          block_attention_mask(anchors, 8, 40)[None])
-        predicted = target.model.lm_head(hidden).argmax(-1).view(len(anchors), 8)
+        predicted = target.lm_head(hidden).argmax(-1).view(len(anchors), 8)
     same_position = (predicted[:, 1:] == labels[:, 1:]).float().mean().item()
     shifted = (predicted[:, 1:7] == ids[positions[:, 2:]]).float().mean().item()
     assert same_position > 0.9 and shifted < 0.2

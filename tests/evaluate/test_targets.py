@@ -1,0 +1,104 @@
+"""Every target family flashdraft claims, as tiny random-weight models built here: Llama, Qwen3, Qwen3-MoE,
+Qwen3.5 (hybrid Gated DeltaNet + full attention) text-only and VLM-wrapped. For each: the trainer sets up and
+runs, a drafter overfit on the target's own continuation exports and reloads, and speculative decoding is
+lossless against target-only greedy with τ > 1 — so drafts are both accepted and rejected."""
+
+import pytest
+import torch
+
+from flashdraft.artifact.manifest import build_manifest, write_manifest
+from flashdraft.config import TrainConfig
+from flashdraft.evaluate.decode import SpecDecoder
+from flashdraft.model.drafter import DFlashDrafter, draft_config
+from flashdraft.model.export import load_drafter, save_drafter
+from flashdraft.model.target import Target
+from flashdraft.train import run
+from flashdraft.train.step import sequence_step
+
+SHAPE = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+             num_key_value_heads=2, head_dim=16, max_position_embeddings=512)
+HYBRID = dict(linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16)
+
+
+def build(kind: str):
+    import transformers as t
+
+    if kind == "llama":
+        return t.LlamaForCausalLM(t.LlamaConfig(**SHAPE))
+    if kind == "qwen3":
+        return t.Qwen3ForCausalLM(t.Qwen3Config(**SHAPE))
+    if kind == "qwen3_moe":
+        return t.Qwen3MoeForCausalLM(t.Qwen3MoeConfig(**SHAPE, num_experts=4, num_experts_per_tok=2,
+                                                      moe_intermediate_size=32))
+    text = t.Qwen3_5TextConfig(**SHAPE, **HYBRID)  # layers: 3 linear attention, then 1 full attention
+    if kind == "qwen3_5":
+        return t.Qwen3_5ForCausalLM(text)
+    vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64)
+    return t.Qwen3_5ForConditionalGeneration(t.Qwen3_5Config(text_config=text.to_dict(), vision_config=vision))
+
+
+KINDS = ["llama", "qwen3", "qwen3_moe", "qwen3_5", "qwen3_5_vlm"]
+PROMPT = [5, 17, 42, 99, 3, 64, 21, 8, 77, 120, 33, 2]
+
+
+@pytest.fixture(scope="module", params=KINDS)
+def target_dir(request, tmp_path_factory) -> str:
+    torch.manual_seed(0)
+    path = tmp_path_factory.mktemp(request.param)
+    build(request.param).save_pretrained(path)
+    return str(path)
+
+
+def greedy(target: Target, prompt: list[int], n: int) -> list[int]:
+    out = target.model.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False)
+    target.discard_features()
+    return out[0, len(prompt) :].tolist()
+
+
+def test_the_trainer_sets_up_and_runs_on_every_target_kind(target_dir, tmp_path):
+    from datasets import Dataset
+
+    g = torch.Generator().manual_seed(1)
+    sequences = [torch.randint(0, 120, (40,), generator=g).tolist() for _ in range(6)]
+    data = tmp_path / "ds"
+    Dataset.from_dict({"id": [str(i) for i in range(6)], "input_ids": sequences,
+                       "loss_mask": [[0] * 8 + [1] * 32] * 6, "num_tokens": [40] * 6}).save_to_disk(str(data))
+    write_manifest(data, build_manifest(data, kind="dataset"))
+    cfg = TrainConfig(target=target_dir, num_layers=2, block_size=8, max_anchors=8, batch_size=2, epochs=1,
+                      eval_samples=2, mask_token_id=127, init_from_target=True)
+    stats = run(cfg, data, tmp_path / "out", log=lambda s: None)
+    assert stats["steps"] == 3 and stats["final_loss"] > 0
+    config = load_drafter(tmp_path / "out" / "drafter").config
+    assert config.hidden_size == 64 and config.num_target_layers == 4
+    assert "partial_rotary_factor" not in config.rope_parameters  # the drafter rotates the whole head
+
+
+def test_speculative_decoding_is_lossless_on_every_target_kind(target_dir, tmp_path):
+    target = Target(target_dir, "cpu", lambda s: None)
+    torch.manual_seed(0)
+    drafter = DFlashDrafter(draft_config(target.config, num_layers=1, block_size=8, mask_token_id=127))
+    target.watch(drafter.target_layer_ids)
+    # The target's own continuation with every fifth token changed: the drafter learns to be right for a few
+    # positions and then wrong, so verification accepts part of a block and rejects the rest.
+    continuation = [(t + 1) % 120 if i % 5 == 4 else t for i, t in enumerate(greedy(target, PROMPT, 48))]
+    ids = torch.tensor(PROMPT + continuation)
+    mask = torch.zeros(len(ids), dtype=torch.long)
+    mask[len(PROMPT) - 1 :] = 1
+    optimizer = torch.optim.AdamW(drafter.parameters(), lr=3e-3)
+    cfg = TrainConfig(block_size=8, max_anchors=32)
+    for step in range(60):
+        sequence_step(drafter, target, ids, mask, cfg, torch.Generator().manual_seed(step), "cpu")["loss"].backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    save_drafter(drafter, tmp_path / "drafter")
+    loaded = load_drafter(tmp_path / "drafter")
+
+    eos = target.model.generation_config.eos_token_id
+    stops = set(eos if isinstance(eos, list) else [eos]) - {None}  # where target-only greedy stops too
+    accepted = []
+    for prompt in (PROMPT, PROMPT[:7], [9, 9, 1, 4, 100, 2], [70, 3, 3, 51]):
+        spec = SpecDecoder(target, loaded, stop_ids=stops).generate(prompt, 40)
+        assert spec.tokens == greedy(target, prompt, 40), prompt
+        accepted += spec.accepted
+    assert sum(n + 1 for n in accepted) / len(accepted) > 1.0  # τ over the prompts
+    assert any(0 < n < 7 for n in accepted), accepted  # a rejection after a partial acceptance happened
