@@ -76,3 +76,30 @@ def test_estimate_says_what_it_is_missing(cli, tmp_path):
     assert no_target.returncode == 1 and "--target-config" in no_target.stderr
     no_prompts = cli("estimate", str(EXAMPLES / "qwen3-8b.yaml"))
     assert no_prompts.returncode == 1 and "--num-prompts" in no_prompts.stderr
+
+
+# A Qwen3.5/3.6-27B checkpoint's config.json: VLM-wrapped (text settings under text_config), hybrid (three Gated
+# DeltaNet layers to each full-attention layer), partial RoPE. Shape as published for Qwen3.5-27B.
+QWEN3_6_27B = {
+    "architectures": ["Qwen3_5ForConditionalGeneration"],
+    "model_type": "qwen3_5",
+    "text_config": {
+        "model_type": "qwen3_5_text", "hidden_size": 5120, "intermediate_size": 17408, "num_hidden_layers": 64,
+        "num_attention_heads": 24, "num_key_value_heads": 4, "head_dim": 256, "vocab_size": 248320,
+        "layer_types": ["linear_attention"] * 3 + ["full_attention"], "full_attention_interval": 4,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 10000000, "partial_rotary_factor": 0.25},
+    },
+    "vision_config": {"depth": 27, "hidden_size": 1152},
+}
+
+
+def test_estimate_of_the_27b_example_reads_the_text_config(cli, tmp_path):
+    target = tmp_path / "config.json"
+    target.write_text(json.dumps(QWEN3_6_27B))
+    est = _last_json(cli("estimate", str(EXAMPLES / "qwen3.6-27b.yaml"), "--num-prompts", "900000",
+                         "--target-config", str(target), "--json", check=True))
+    assert est["target"] == {"layers": 64, "hidden": 5120, "vocab": 248320, "from": str(target)}
+    assert est["target_layer_ids"] == [1, 16, 31, 46, 61]  # uniform from 1 to L − 3
+    # 5 draft layers of the target's shape (q 24 × 256, kv 4 × 256, MLP 17,408) plus fc (5 × 5120 → 5120)
+    layer = 5120 * 256 * (2 * 24 + 2 * 4) + 2 * 256 + 3 * 5120 * 17408 + 2 * 5120
+    assert est["drafter_params"] == 5 * layer + 5 * 5120 * 5120 + 2 * 5120

@@ -18,9 +18,10 @@ def summarize(per_prompt: list[dict], block_size: int, cfg: EvalConfig) -> dict[
         by_position = [reach[k] / len(steps) if steps else 0.0 for k in range(1, block_size)]
         conditional = [reach[k] / reach[k - 1] if reach[k - 1] else float("nan") for k in range(1, block_size)]
         spec_s, base_s = sum(r["spec_seconds"] for r in rows), sum(r["target_seconds"] for r in rows)
-        pld_s = sum(r["lookup_seconds"] for r in rows)
+        lookup = all(r["lookup_seconds"] is not None for r in rows)  # not measured on stateful targets
+        pld_s = sum(r["lookup_seconds"] for r in rows) if lookup else None
         pld_tokens = sum(r["lookup_tokens"] - 1 for r in rows)
-        pld_forwards = sum(r["lookup_forwards"] - 1 for r in rows)
+        pld_forwards = sum(r["lookup_forwards"] - 1 for r in rows) if lookup else None
         lossless = [r["lossless"] for r in rows if r["lossless"] is not None]
         return {
             "prompts": len(rows),
@@ -31,8 +32,8 @@ def summarize(per_prompt: list[dict], block_size: int, cfg: EvalConfig) -> dict[
             "tokens_per_s": sum(r["tokens"] for r in rows) / max(spec_s, 1e-9),
             "target_tokens_per_s": sum(r["target_tokens"] for r in rows) / max(base_s, 1e-9),
             "speedup": base_s / max(spec_s, 1e-9),
-            "lookup_acceptance_length": pld_tokens / max(1, pld_forwards),
-            "lookup_speedup": base_s / max(pld_s, 1e-9),
+            "lookup_acceptance_length": pld_tokens / max(1, pld_forwards) if lookup else None,
+            "lookup_speedup": base_s / max(pld_s, 1e-9) if lookup else None,
             "lossless": all(lossless) if lossless else None,
         }
 

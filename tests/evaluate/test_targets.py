@@ -102,3 +102,65 @@ def test_speculative_decoding_is_lossless_on_every_target_kind(target_dir, tmp_p
         accepted += spec.accepted
     assert sum(n + 1 for n in accepted) / len(accepted) > 1.0  # τ over the prompts
     assert any(0 < n < 7 for n in accepted), accepted  # a rejection after a partial acceptance happened
+
+
+# Qwen3.5/3.6's template in the parts that decide the mask: thinking turns render as <think>…</think> ahead of
+# the answer, the generation prompt opens a think block (or, with thinking off, an empty one), <|im_end|> ends
+# a turn. Written from the real template's structure; no network.
+QWEN3_5_STYLE = """
+{%- for message in messages %}
+  {%- if message.role == "assistant" %}
+    {{- '<|im_start|>assistant\\n<think>\\n' + (message.reasoning_content or '').strip('\\n') + '\\n</think>\\n\\n'
+        + message.content.lstrip('\\n') + '<|im_end|>\\n' }}
+  {%- else %}
+    {{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>\\n' }}
+  {%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}
+  {{- '<|im_start|>assistant\\n' }}
+  {%- if enable_thinking is defined and enable_thinking is false %}{{- '<think>\\n\\n</think>\\n\\n' }}
+  {%- else %}{{- '<think>\\n' }}{%- endif %}
+{%- endif %}
+"""
+
+
+@pytest.mark.slow
+def test_a_vlm_wrapped_hybrid_target_goes_through_every_stage(cli, tmp_path, smollm2_dir):
+    """generate → tokenize → train → eval on a Qwen3.5-shaped VLM checkpoint with a Qwen3.5-style template."""
+    import json
+
+    import transformers as t
+    import yaml
+
+    from flashdraft.artifact.manifest import read_manifest
+
+    tokenizer = t.AutoTokenizer.from_pretrained(smollm2_dir)
+    tokenizer.chat_template = QWEN3_5_STYLE
+    text = t.Qwen3_5TextConfig(**{**SHAPE, "vocab_size": len(tokenizer), "max_position_embeddings": 1024}, **HYBRID,
+                               eos_token_id=tokenizer.eos_token_id)
+    vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64)
+    torch.manual_seed(0)
+    model_dir = tmp_path / "qwen3_5-vlm"
+    t.Qwen3_5ForConditionalGeneration(t.Qwen3_5Config(text_config=text.to_dict(), vision_config=vision)
+                                      ).save_pretrained(model_dir)
+    tokenizer.save_pretrained(model_dir)
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": f"Count to {i} and explain."}) + "\n" for i in range(10)))
+    m = str(model_dir)
+    config = {
+        "workdir": str(tmp_path / "work"),
+        "generate": {"prompts": str(prompts), "model": m, "max_new_tokens": 24, "batch_size": 5, "thinking": False},
+        "tokenize": {"tokenizer": m, "min_loss_fraction": 0.05, "workers": 1},
+        "train": {"target": m, "num_layers": 1, "block_size": 8, "max_anchors": 8, "epochs": 1, "batch_size": 2,
+                  "eval_samples": 1},
+        "eval": {"target": m, "prompts": str(prompts), "max_prompts": 3, "max_new_tokens": 16},
+    }
+    (tmp_path / "c.yaml").write_text(yaml.safe_dump(config))
+    cli("run", str(tmp_path / "c.yaml"), check=True)
+    work = tmp_path / "work"
+    stats = read_manifest(work / "dataset").stats
+    assert stats["samples"] == 10 and stats["prompt_token_mismatches"] == 0
+    # (completion_token_id_mismatches is not asserted: a random model's token soup need not re-tokenize the same)
+    assert read_manifest(work / "eval").stats["lossless"] is True
+    shown = cli("tokenize", "--out", str(work / "dataset"), "--tokenizer", m, "--show", "1", check=True).stdout
+    assert "</think>" in shown and "supervised" in shown
