@@ -1,7 +1,8 @@
 """Every target family flashdraft claims, as tiny random-weight models built here: Llama, Qwen3, Qwen3-MoE,
-Qwen3.5 (hybrid Gated DeltaNet + full attention) text-only and VLM-wrapped. For each: the trainer sets up and
-runs, a drafter overfit on the target's own continuation exports and reloads, and speculative decoding is
-lossless against target-only greedy with τ > 1 — so drafts are both accepted and rejected."""
+Qwen3.5 (hybrid Gated DeltaNet + full attention) text-only and VLM-wrapped, and Qwen3.5-MoE (hybrid + MoE).
+For each: the trainer sets up and runs, a drafter trained on the target's own continuation exports and
+reloads, and speculative decoding is lossless against target-only greedy with τ > 1 — so drafts are both
+accepted and rejected."""
 
 import pytest
 import torch
@@ -30,6 +31,9 @@ def build(kind: str):
     if kind == "qwen3_moe":
         return t.Qwen3MoeForCausalLM(t.Qwen3MoeConfig(**SHAPE, num_experts=4, num_experts_per_tok=2,
                                                       moe_intermediate_size=32))
+    if kind == "qwen3_5_moe":  # hybrid and MoE
+        moe = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=32)
+        return t.Qwen3_5MoeForCausalLM(t.Qwen3_5MoeTextConfig(**SHAPE, **HYBRID, **moe))
     text = t.Qwen3_5TextConfig(**SHAPE, **HYBRID)  # layers: 3 linear attention, then 1 full attention
     if kind == "qwen3_5":
         return t.Qwen3_5ForCausalLM(text)
@@ -37,7 +41,7 @@ def build(kind: str):
     return t.Qwen3_5ForConditionalGeneration(t.Qwen3_5Config(text_config=text.to_dict(), vision_config=vision))
 
 
-KINDS = ["llama", "qwen3", "qwen3_moe", "qwen3_5", "qwen3_5_vlm"]
+KINDS = ["llama", "qwen3", "qwen3_moe", "qwen3_5", "qwen3_5_vlm", "qwen3_5_moe"]
 PROMPT = [5, 17, 42, 99, 3, 64, 21, 8, 77, 120, 33, 2]
 
 
