@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import torch
 
 from flashdraft.model.drafter import DFlashDrafter
-from flashdraft.model.objective import acceptance_length
+from flashdraft.model.objective import acceptance_length, block_attention_mask
 from flashdraft.model.target import Target
 
 
@@ -99,6 +99,15 @@ class SpecDecoder:
         out, features = self.target.forward(ids_BT, **{self.cache_kwarg: cache}, use_cache=True)
         return self.lm_head(out.last_hidden_state), features
 
+    def _masks(self, anchor_position: int, device):
+        """None (every layer sees the whole context and its block) unless the drafter has sliding-window layers."""
+        window = self.drafter.sliding_window
+        if window is None:
+            return None
+        anchors = torch.tensor([anchor_position])
+        swa = block_attention_mask(anchors, self.drafter.block_size, anchor_position, window=window)[None]
+        return {"full_attention": None, "sliding_attention": swa.to(device)}
+
     @torch.inference_mode()
     def generate(self, prompt_ids: list[int], max_new_tokens: int, temperature: float = 0.0, generator=None) -> Decoded:
         k, started = self.drafter.block_size, time.perf_counter()
@@ -112,7 +121,7 @@ class SpecDecoder:
             block = torch.full((1, k), self.drafter.mask_token_id, device=device)
             block[0, 0] = anchor
             positions = torch.arange(position, position + k, device=device)[None]
-            hidden = self.drafter.decode(self.embed(block), positions, None, ctx_kv=ctx_kv)
+            hidden = self.drafter.decode(self.embed(block), positions, self._masks(position, device), ctx_kv=ctx_kv)
             draft_logits = self.drafter.to_target_vocab(  # K−1 proposals, each for its own position
                 hidden[0, 1:].to(self.draft_head.dtype) @ self.draft_head.T, self.target.config.vocab_size
             )

@@ -27,6 +27,8 @@ from torch import nn
 from transformers import Qwen3Config
 from transformers.models.qwen3.modeling_qwen3 import Qwen3RotaryEmbedding
 
+from flashdraft.errors import BadInput
+
 
 def uniform_layer_ids(num_target_layers: int, n: int) -> list[int]:
     """n target layers spread uniformly from 1 to L−3 (Qwen3-8B, L=36, n=5: [1, 9, 17, 25, 33])."""
@@ -44,15 +46,26 @@ def draft_config(
     mask_token_id: int,
     target_layer_ids: list[int] | None = None,
     draft_vocab_size: int | None = None,
+    sliding_window: int | None = None,
 ) -> Qwen3Config:
     """A Qwen3-shaped config with the target's hidden size, heads, MLP, norms and RoPE base (read from its text
     config: a VLM wrapper's `text_config`). The drafter rotates the whole head dimension, so a target's
-    `partial_rotary_factor` (Qwen3.5/3.6) is not copied: the export states only what the drafter computes."""
+    `partial_rotary_factor` (Qwen3.5/3.6) is not copied: the export states only what the drafter computes.
+
+    `sliding_window`: every draft layer but the last attends to context within that many positions, as the
+    published Qwen3.6 drafters do for long contexts (`layer_types`, `use_sliding_window`, `sliding_window` in
+    the config, the standard transformers fields the engines read)."""
     t = target_config.get_text_config() if hasattr(target_config, "get_text_config") else target_config
     head_dim = getattr(t, "head_dim", None) or t.hidden_size // t.num_attention_heads
     rope = getattr(t, "rope_parameters", None) or {"rope_type": "default", "rope_theta": getattr(t, "rope_theta", 1e4)}
     rope = {k: v for k, v in rope.items() if k != "partial_rotary_factor"}
     layer_ids = target_layer_ids or uniform_layer_ids(t.num_hidden_layers, num_layers)
+    if sliding_window is not None and sliding_window < block_size:
+        raise BadInput(f"sliding_window {sliding_window} is smaller than the block size {block_size}: a block "
+                       "must see its own anchor's context")
+    layer_types = ["full_attention"] * num_layers
+    if sliding_window is not None:
+        layer_types = ["sliding_attention"] * (num_layers - 1) + ["full_attention"]
     config = Qwen3Config(
         vocab_size=t.vocab_size,
         hidden_size=t.hidden_size,
@@ -67,6 +80,9 @@ def draft_config(
         rope_parameters=dict(rope),
         attention_bias=False,
         tie_word_embeddings=False,
+        layer_types=layer_types,
+        use_sliding_window=sliding_window is not None,
+        sliding_window=sliding_window,
     )
     config.architectures = ["DFlashDraftModel"]
     config.block_size = block_size
@@ -176,6 +192,10 @@ class DFlashDrafter(nn.Module):
         self.fc = nn.Linear(len(self.target_layer_ids) * d, d, bias=False)
         self.hidden_norm = nn.RMSNorm(d, eps=config.rms_norm_eps)
         self.layers = nn.ModuleList(DraftLayer(config) for _ in range(config.num_hidden_layers))
+        self.layer_types: list[str] = list(getattr(config, "layer_types", None) or
+                                           ["full_attention"] * config.num_hidden_layers)
+        sliding = "sliding_attention" in self.layer_types
+        self.sliding_window: int | None = config.sliding_window if sliding else None
         self.norm = nn.RMSNorm(d, eps=config.rms_norm_eps)
         self.rotary_emb = Qwen3RotaryEmbedding(config)
         self.apply(self._init)
@@ -235,7 +255,8 @@ class DFlashDrafter(nn.Module):
 
     def forward(self, block_embeds_BSD, features_BCF, block_pos_BS, ctx_pos_BC, allowed_BSX):
         """Training: every block of the batch in one pass. `allowed_BSX[b, s, x]`: may block position s
-        attend to key x (keys: the context first, then the block positions)?"""
+        attend to key x (keys: the context first, then the block positions)? One mask for every layer, or a
+        dict by layer type (`full_attention`, `sliding_attention`; see `objective.block_masks`)."""
         ctx_BCD = self.project_context(features_BCF)
         rope_ctx = self.rope(ctx_BCD, ctx_pos_BC)
         return self.decode(block_embeds_BSD, block_pos_BS, allowed_BSX, ctx_BCD=ctx_BCD, rope_ctx=rope_ctx)
@@ -246,7 +267,8 @@ class DFlashDrafter(nn.Module):
         rope_block = self.rope(block_embeds_BSD, block_pos_BS)
         x = block_embeds_BSD
         for i, layer in enumerate(self.layers):
-            x = layer(x, ctx_BCD, rope_block, rope_ctx, allowed_BSX, None if ctx_kv is None else ctx_kv[i])
+            allowed = allowed_BSX[self.layer_types[i]] if isinstance(allowed_BSX, dict) else allowed_BSX
+            x = layer(x, ctx_BCD, rope_block, rope_ctx, allowed, None if ctx_kv is None else ctx_kv[i])
         return self.norm(x)
 
     def context_kv(self, features_BCF: torch.Tensor, ctx_pos_BC: torch.Tensor) -> list[tuple[torch.Tensor, ...]]:

@@ -45,31 +45,54 @@ def build_blocks(input_ids_T, loss_mask_T, anchors_N, block_size: int, mask_toke
     return block_ids, positions, labels, weights
 
 
-def block_attention_mask(anchors_N: torch.Tensor, block_size: int, context_len: int) -> torch.Tensor:
-    """allowed_SX (bool): block position s may attend key x, keys = [context 0..C−1, block positions 0..S−1]."""
+def block_attention_mask(anchors_N: torch.Tensor, block_size: int, context_len: int,
+                         window: int | None = None) -> torch.Tensor:
+    """allowed_SX (bool): block position s may attend key x, keys = [context 0..C−1, block positions 0..S−1].
+    With `window` (a sliding-window draft layer), a block position at absolute position p sees context position
+    c only if p − c < window, as a causal sliding window counts; its own block stays fully visible."""
     n = anchors_N.shape[0]
     block_of = torch.arange(n).repeat_interleave(block_size)  # S
-    anchor_of = anchors_N[block_of]  # S
-    sees_context = torch.arange(context_len)[None, :] < anchor_of[:, None]  # S × C: strictly before the anchor
+    anchor_of = anchors_N.cpu()[block_of]  # S
+    context = torch.arange(context_len)[None, :]
+    sees_context = context < anchor_of[:, None]  # S × C: strictly before the anchor
+    if window is not None:
+        position_of = anchor_of + torch.arange(n * block_size) % block_size  # S: absolute position
+        sees_context &= position_of[:, None] - context < window
     sees_block = block_of[:, None] == block_of[None, :]  # S × S: own block, both directions
     return torch.cat([sees_context, sees_block], dim=1)
 
 
-def flex_block_mask(anchors_N: torch.Tensor, block_size: int, context_len: int, device):
+def flex_block_mask(anchors_N: torch.Tensor, block_size: int, context_len: int, device, window: int | None = None):
     """`block_attention_mask` as a FlexAttention BlockMask, what CUDA training uses: tiles no query may see
     are skipped instead of computed and masked. Same keys layout: context first, then the blocks."""
     from torch.nn.attention.flex_attention import create_block_mask
 
     anchors = anchors_N.to(device)
+    reach = window if window is not None else 1 << 30  # no window: every earlier position is in reach
 
     def allowed(b, h, q, kv):
         block = q // block_size
-        sees_context = (kv < context_len) & (kv < anchors[block])
+        position = anchors[block] + q % block_size
+        sees_context = (kv < context_len) & (kv < anchors[block]) & (position - kv < reach)
         sees_block = (kv >= context_len) & ((kv - context_len) // block_size == block)
         return sees_context | sees_block
 
     s = anchors.shape[0] * block_size
     return create_block_mask(allowed, B=None, H=None, Q_LEN=s, KV_LEN=context_len + s, device=device)
+
+
+def block_masks(anchors_N: torch.Tensor, block_size: int, context_len: int, window: int | None, device):
+    """The attention masks a drafter's layers need, by layer type: block-sparse FlexAttention on CUDA, a dense
+    boolean mask (for SDPA) elsewhere. Only `full_attention` unless the drafter has sliding-window layers."""
+    def build(w):
+        if str(device).startswith("cuda"):
+            return flex_block_mask(anchors_N, block_size, context_len, device, window=w)
+        return block_attention_mask(anchors_N, block_size, context_len, window=w)[None].to(device)
+
+    masks = {"full_attention": build(None)}
+    if window is not None:
+        masks["sliding_attention"] = build(window)
+    return masks
 
 
 def weighted_loss(logits_SV: torch.Tensor, labels_S: torch.Tensor, weights_S: torch.Tensor) -> torch.Tensor:

@@ -179,7 +179,8 @@ def setup(cfg: TrainConfig, data: Path, out: Path, target_path: str, where: Plac
     dataset = load_dataset_checked(data, cfg.block_size, target.config.vocab_size, cfg.max_length)
     config = draft_config(target.config, num_layers=cfg.num_layers, block_size=cfg.block_size,
                           mask_token_id=pick_mask_token(cfg, target.config, target.path, dataset),
-                          target_layer_ids=cfg.target_layer_ids, draft_vocab_size=cfg.draft_vocab_size)
+                          target_layer_ids=cfg.target_layer_ids, draft_vocab_size=cfg.draft_vocab_size,
+                          sliding_window=cfg.sliding_window)
     target.watch(config.dflash_config["target_layer_ids"])
     train_ids, heldout_ids = split_heldout(len(dataset), cfg.eval_samples, cfg.seed)
 

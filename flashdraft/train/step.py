@@ -13,10 +13,9 @@ import torch
 from flashdraft.config import TrainConfig
 from flashdraft.model.drafter import DFlashDrafter
 from flashdraft.model.objective import (
-    block_attention_mask,
+    block_masks,
     build_blocks,
     expected_acceptance_length,
-    flex_block_mask,
     per_position_accuracy,
     sample_anchors,
     weighted_loss,
@@ -45,10 +44,7 @@ def sequence_step(model, target: Target, ids_T, mask_T, cfg: TrainConfig, genera
     embed = target.model.get_input_embeddings()
     with torch.no_grad():
         block_embeds = embed(block_ids.view(1, -1).to(embed.weight.device)).to(device, torch.float32)
-    if str(device).startswith("cuda"):  # block-sparse FlexAttention; SDPA with the dense mask elsewhere
-        allowed = flex_block_mask(anchors, drafter.block_size, context_len, device)
-    else:
-        allowed = block_attention_mask(anchors, drafter.block_size, context_len)[None].to(device)
+    allowed = block_masks(anchors, drafter.block_size, context_len, drafter.sliding_window, device)
     with torch.autocast("cuda", dtype=torch.bfloat16, enabled=str(device).startswith("cuda")):
         hidden = model(block_embeds, features, positions.view(1, -1).to(device),
                        torch.arange(context_len, device=device)[None], allowed)

@@ -11,7 +11,7 @@ from flashdraft.evaluate import run
 from flashdraft.evaluate.decode import SpecDecoder
 from flashdraft.model.drafter import DFlashDrafter, draft_config
 from flashdraft.model.export import save_drafter
-from flashdraft.model.objective import block_attention_mask, build_blocks
+from flashdraft.model.objective import block_masks, build_blocks
 from flashdraft.model.target import Target
 from flashdraft.train.step import sequence_step
 
@@ -119,9 +119,8 @@ def reference_decode(target: Target, drafter: DFlashDrafter, prompt: list[int], 
             features = target.features(torch.tensor([seq[:anchor_pos]]))
             block, positions, _, _ = build_blocks(torch.tensor(seq + [0] * k), torch.ones(len(seq) + k),
                                                   torch.tensor([anchor_pos]), k, drafter.mask_token_id)
-            hidden = drafter(embed(block.view(1, -1)), features, positions.view(1, -1),
-                             torch.arange(anchor_pos)[None], block_attention_mask(torch.tensor([anchor_pos]), k,
-                                                                                  anchor_pos)[None])
+            hidden = drafter(embed(block.view(1, -1)), features, positions.view(1, -1), torch.arange(anchor_pos)[None],
+                             block_masks(torch.tensor([anchor_pos]), k, anchor_pos, drafter.sliding_window, "cpu"))
             drafts = head(hidden[0, 1:]).argmax(-1)
             full = target.model(torch.tensor([seq + drafts.tolist()])).logits[0, anchor_pos:]
             target.discard_features()
@@ -130,6 +129,18 @@ def reference_decode(target: Target, drafter: DFlashDrafter, prompt: list[int], 
             tokens += drafts[:n].tolist() + [int(predicted[n])]
             accepted.append(n)
     return tokens[:max_new], accepted
+
+
+def test_sliding_window_drafter_decodes_as_recomputed_and_losslessly(target):
+    """Draft layers that see only the last 12 context positions: eval's cached path applies the same window."""
+    torch.manual_seed(0)
+    drafter = DFlashDrafter(draft_config(target.config, num_layers=2, block_size=8, mask_token_id=0,
+                                         sliding_window=12))
+    overfit(drafter, target, *continuation_sample(target), steps=60)
+    spec = SpecDecoder(target, drafter, stop_ids=set()).generate(PROMPT, 48)
+    tokens, accepted = reference_decode(target, drafter, PROMPT, 48)
+    assert spec.tokens == tokens == greedy(target, PROMPT, 48) and spec.accepted == accepted
+    assert spec.acceptance_length > 1.5
 
 
 def test_cached_decoding_equals_recomputing_from_scratch(target, overfit_drafter):

@@ -68,12 +68,14 @@ def test_the_trainer_sets_up_and_runs_on_every_target_kind(target_dir, tmp_path)
     Dataset.from_dict({"id": [str(i) for i in range(6)], "input_ids": sequences,
                        "loss_mask": [[0] * 8 + [1] * 32] * 6, "num_tokens": [40] * 6}).save_to_disk(str(data))
     write_manifest(data, build_manifest(data, kind="dataset"))
+    hybrid = "qwen3_5" in target_dir  # as published drafters for hybrids do: sliding-window draft layers
     cfg = TrainConfig(target=target_dir, num_layers=2, block_size=8, max_anchors=8, batch_size=2, epochs=1,
-                      eval_samples=2, mask_token_id=127, init_from_target=True)
+                      eval_samples=2, mask_token_id=127, init_from_target=True, sliding_window=16 if hybrid else None)
     stats = run(cfg, data, tmp_path / "out", log=lambda s: None)
     assert stats["steps"] == 3 and stats["final_loss"] > 0
     config = load_drafter(tmp_path / "out" / "drafter").config
     assert config.hidden_size == 64 and config.num_target_layers == 4
+    assert config.layer_types == (["sliding_attention", "full_attention"] if hybrid else ["full_attention"] * 2)
     assert "partial_rotary_factor" not in config.rope_parameters  # the drafter rotates the whole head
 
 

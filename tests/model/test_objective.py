@@ -61,7 +61,41 @@ def test_flex_attention_block_mask_matches_the_dense_mask(tiny_target):
     with torch.no_grad():
         dense = drafter(*args, block_attention_mask(anchors, 8, context)[None])
         flex = drafter(*args, flex_block_mask(anchors, 8, context, "cpu"))
-    assert torch.allclose(dense, flex, atol=1e-5)
+        dense_window = drafter(*args, block_attention_mask(anchors, 8, context, window=10)[None])
+        flex_window = drafter(*args, flex_block_mask(anchors, 8, context, "cpu", window=10))
+    assert torch.allclose(dense, flex, atol=1e-5) and torch.allclose(dense_window, flex_window, atol=1e-5)
+    assert not torch.allclose(dense, dense_window, atol=1e-3)  # the window does restrict what is seen
+
+
+def test_a_sliding_window_block_sees_only_recent_context_and_its_own_block():
+    anchors, k, context, window = torch.tensor([5, 20, 33]), 4, 34, 8
+    allowed = block_attention_mask(anchors, k, context, window=window)
+    for s in range(len(anchors) * k):
+        block, offset = divmod(s, k)
+        position = int(anchors[block]) + offset
+        for c in range(context):
+            assert bool(allowed[s, c]) == (c < anchors[block] and position - c < window), (s, c)
+        own = torch.zeros(len(anchors) * k, dtype=torch.bool)
+        own[block * k : (block + 1) * k] = True
+        assert torch.equal(allowed[s, context:], own)
+
+
+def test_sliding_window_layers_export_as_the_standard_fields(tmp_path):
+    from transformers import Qwen3Config
+
+    from flashdraft.errors import BadInput
+    from flashdraft.model.export import load_drafter, save_drafter
+
+    target = Qwen3Config(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=6,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=8)
+    drafter = DFlashDrafter(draft_config(target, num_layers=3, block_size=8, mask_token_id=127, sliding_window=64))
+    assert drafter.layer_types == ["sliding_attention", "sliding_attention", "full_attention"]
+    save_drafter(drafter, tmp_path / "d")
+    raw = __import__("json").loads((tmp_path / "d" / "config.json").read_text())
+    assert raw["layer_types"] == drafter.layer_types and raw["sliding_window"] == 64 and raw["use_sliding_window"]
+    assert load_drafter(tmp_path / "d").sliding_window == 64
+    with pytest.raises(BadInput, match="smaller than the block size"):
+        draft_config(target, num_layers=3, block_size=8, mask_token_id=127, sliding_window=4)
 
 
 def test_blocks_use_same_position_labels_and_decay():
