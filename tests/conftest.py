@@ -93,3 +93,28 @@ def tiny_target(tmp_path_factory) -> str:
     path = tmp_path_factory.mktemp("tiny-qwen3")
     Qwen3ForCausalLM(config).save_pretrained(path)
     return str(path)
+
+
+# Qwen3.5/3.6's template in the parts that decide the mask: thinking turns render as <think>…</think> ahead of
+# the answer, the generation prompt opens a think block (or, with thinking off, an empty one), <|im_end|> ends
+# a turn. Written from the real template's structure; no network.
+QWEN3_5_STYLE = """
+{%- for message in messages %}
+  {%- if message.role == "assistant" %}
+    {{- '<|im_start|>assistant\\n<think>\\n' + (message.reasoning_content or '').strip('\\n') + '\\n</think>\\n\\n'
+        + message.content.lstrip('\\n') + '<|im_end|>\\n' }}
+  {%- else %}
+    {{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>\\n' }}
+  {%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}
+  {{- '<|im_start|>assistant\\n' }}
+  {%- if enable_thinking is defined and enable_thinking is false %}{{- '<think>\\n\\n</think>\\n\\n' }}
+  {%- else %}{{- '<think>\\n' }}{%- endif %}
+{%- endif %}
+"""
+
+
+@pytest.fixture(scope="session")
+def qwen3_5_template() -> str:
+    return QWEN3_5_STYLE

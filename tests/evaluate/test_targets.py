@@ -110,28 +110,8 @@ def test_speculative_decoding_is_lossless_on_every_target_kind(target_dir, tmp_p
     assert any(0 < n < 7 for n in accepted), accepted  # a rejection after a partial acceptance happened
 
 
-# Qwen3.5/3.6's template in the parts that decide the mask: thinking turns render as <think>…</think> ahead of
-# the answer, the generation prompt opens a think block (or, with thinking off, an empty one), <|im_end|> ends
-# a turn. Written from the real template's structure; no network.
-QWEN3_5_STYLE = """
-{%- for message in messages %}
-  {%- if message.role == "assistant" %}
-    {{- '<|im_start|>assistant\\n<think>\\n' + (message.reasoning_content or '').strip('\\n') + '\\n</think>\\n\\n'
-        + message.content.lstrip('\\n') + '<|im_end|>\\n' }}
-  {%- else %}
-    {{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>\\n' }}
-  {%- endif %}
-{%- endfor %}
-{%- if add_generation_prompt %}
-  {{- '<|im_start|>assistant\\n' }}
-  {%- if enable_thinking is defined and enable_thinking is false %}{{- '<think>\\n\\n</think>\\n\\n' }}
-  {%- else %}{{- '<think>\\n' }}{%- endif %}
-{%- endif %}
-"""
-
-
 @pytest.mark.slow
-def test_a_vlm_wrapped_hybrid_target_goes_through_every_stage(cli, tmp_path, smollm2_dir):
+def test_a_vlm_wrapped_hybrid_target_goes_through_every_stage(cli, tmp_path, smollm2_dir, qwen3_5_template):
     """generate → tokenize → train → eval on a Qwen3.5-shaped VLM checkpoint with a Qwen3.5-style template."""
     import json
 
@@ -141,7 +121,7 @@ def test_a_vlm_wrapped_hybrid_target_goes_through_every_stage(cli, tmp_path, smo
     from flashdraft.artifact.manifest import read_manifest
 
     tokenizer = t.AutoTokenizer.from_pretrained(smollm2_dir)
-    tokenizer.chat_template = QWEN3_5_STYLE
+    tokenizer.chat_template = qwen3_5_template
     text = t.Qwen3_5TextConfig(**{**SHAPE, "vocab_size": len(tokenizer), "max_position_embeddings": 1024}, **HYBRID,
                                eos_token_id=tokenizer.eos_token_id)
     vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64)

@@ -28,3 +28,14 @@ def test_export_round_trip(tiny_target, tmp_path):
     for (name, a), (_, b) in zip(drafter.state_dict().items(), loaded.state_dict().items(), strict=True):
         assert torch.equal(a, b), name
     assert loaded.block_size == 8 and loaded.target_layer_ids == [1, 3] and loaded.mask_token_id == 127
+
+
+def test_an_architecture_without_decoder_layers_is_named(tmp_path):
+    import pytest
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from flashdraft.errors import BadInput
+    from flashdraft.model.target import language_model
+
+    with pytest.raises(BadInput, match="GPT2LMHeadModel: cannot find its decoder layers"):
+        language_model(GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64)))

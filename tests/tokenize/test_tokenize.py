@@ -336,3 +336,38 @@ def test_written_schema_is_what_datasets_itself_describes():
                          "num_tokens": Value("int32")})
     assert FEATURES == expected.to_dict()
     assert arrow_schema() == expected.arrow_schema and arrow_schema().metadata == expected.arrow_schema.metadata
+
+
+@pytest.fixture(scope="module")
+def qwen3_5_tok_dir(tmp_path_factory, smollm2_dir, qwen3_5_template):
+    path = tmp_path_factory.mktemp("qwen3_5-style")
+    tok = AutoTokenizer.from_pretrained(smollm2_dir)
+    tok.add_tokens(["<think>", "</think>"])  # added tokens in the real Qwen3.5/3.6 vocabulary, as here
+    tok.chat_template = qwen3_5_template
+    tok.save_pretrained(path)
+    return str(path)
+
+
+def test_qwen3_5_style_template_masks_exactly_what_the_model_generates(tmp_path, qwen3_5_tok_dir):
+    """Thinking on: the generation prompt ends with "<think>\\n", so the model's own tokens — reasoning, the
+    closing tag, the answer, <|im_end|> — are supervised. Thinking off: the prompt holds the empty think block
+    and only the answer is supervised."""
+    records = [
+        {"id": "on", "messages": [{"role": "user", "content": "2+2?"}], "reasoning": "Two and two.",
+         "content": "4.", "sampling": {"thinking": True}},
+        {"id": "off", "messages": [{"role": "user", "content": "2+2?"}], "reasoning": None, "content": "4.",
+         "sampling": {"thinking": False}},
+    ]
+    gen = tmp_path / "gen"
+    gen.mkdir()
+    write_jsonl(gen / "batch-000000.jsonl", records)
+    from flashdraft.artifact.manifest import build_manifest, write_manifest
+
+    write_manifest(gen, build_manifest(gen, kind="completions"))
+    stats = run(cfg(qwen3_5_tok_dir), gen, tmp_path / "ds", log=lambda s: None)
+    rows = {r["id"]: r for r in load_rows(tmp_path / "ds")}
+    assert supervised_text(qwen3_5_tok_dir, rows["on"]) == ["Two and two.\n</think>\n\n4.<|im_end|>"]
+    assert supervised_text(qwen3_5_tok_dir, rows["off"]) == ["4.<|im_end|>"]
+    # Counted, not hidden: with thinking off the prompt ends in "\n\n", one token alone but split before "4."
+    # in the full text with this byte-level BPE — the serving/training difference this counter reports.
+    assert stats["prompt_token_mismatches"] == 1
