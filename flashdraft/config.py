@@ -79,6 +79,7 @@ class TrainConfig(Section):
     keep_checkpoints: Positive = 3  # newest complete checkpoints kept locally; older ones are deleted
     push_to: str | None = None  # local dir or s3:// URL each checkpoint and the drafter are pushed to, verified
     features: Literal["online", "offline"] = "online"  # offline: target features cached once, reused each epoch
+    export_dtype: Literal["bfloat16", "float32"] = "bfloat16"  # the exported drafter's weights
     sliding_window: Positive | None = None  # all draft layers but the last attend this far back (≥ block_size)
     draft_vocab_size: Positive | None = None  # a reduced draft vocabulary (most frequent tokens) for cheap CPU runs
     eval_samples: NonNegative = 16  # held-out samples (a seeded pick) for per-position accuracy and simulated τ

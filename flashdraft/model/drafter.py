@@ -78,6 +78,7 @@ def draft_config(
         max_position_embeddings=t.max_position_embeddings,
         rms_norm_eps=getattr(t, "rms_norm_eps", 1e-6),
         rope_parameters=dict(rope),
+        rope_theta=rope["rope_theta"],  # what transformers 4.x reads (5.x folds it into rope_parameters)
         attention_bias=False,
         tie_word_embeddings=False,
         layer_types=layer_types,

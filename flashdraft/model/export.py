@@ -25,13 +25,46 @@ from flashdraft.model.drafter import DFlashDrafter
 REQUIRED = ("block_size", "num_target_layers", "dflash_config")
 
 
-def save_drafter(drafter: DFlashDrafter, out: Path, stats: dict[str, Any] | None = None, lineage=None) -> Path:
-    """Write config.json + model.safetensors and commit them with a `drafter` manifest."""
+DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
+
+
+def export_config(drafter: DFlashDrafter, dtype: str = "bfloat16") -> dict[str, Any]:
+    """config.json as every reader must compute what training computed: RoPE both as transformers 5's
+    `rope_parameters` and as the top-level `rope_theta` (+ `rope_scaling` when not default) that transformers
+    4.x readers — the z-lab reference pins 4.57 — use, falling back to θ = 10,000 without it; the weights' dtype
+    under both names; the transformers version that wrote it."""
     config = drafter.config.to_dict()
+    rope = dict(config.get("rope_parameters") or {})
     config["architectures"] = ["DFlashDraftModel"]
+    config["rope_theta"] = rope.get("rope_theta", 10_000.0)
+    if rope.get("rope_type", "default") != "default":
+        config["rope_scaling"] = {k: v for k, v in rope.items() if k != "rope_theta"}
+    config["dtype"] = config["torch_dtype"] = dtype
+    if "sliding_attention" in drafter.layer_types:
+        # vLLM treats a `sliding_attention` draft layer as causal unless told otherwise (its
+        # `_resolve_layer_attention`); flashdraft's blocks attend bidirectionally in every layer.
+        config["dflash_config"] = {**config["dflash_config"], "causal": False}
+    return config
+
+
+def save_drafter(drafter: DFlashDrafter, out: Path, stats: dict[str, Any] | None = None, lineage=None,
+                 dtype: str = "bfloat16", target_lm_head: torch.Tensor | None = None) -> Path:
+    """Write config.json + model.safetensors (floating weights in `dtype`; bf16 like the published drafters)
+    and commit them with a `drafter` manifest.
+
+    A reduced draft vocabulary is written the way vLLM's DFlash loader reads one: `draft_vocab_size` in the
+    config, `d2t` (target id = draft id + d2t) and an `lm_head.weight` of `draft_vocab_size` rows — the target's
+    LM head rows for those ids, which the drafter scored with in training (`target_lm_head` is required)."""
+    config = export_config(drafter, dtype)
+    state = dict(drafter.state_dict())
+    if drafter.draft_vocab_size:
+        if target_lm_head is None:
+            raise BadInput("a reduced-vocabulary drafter needs the target's LM head to export its rows")
+        state["lm_head.weight"] = drafter.head_weight(target_lm_head)
     with commit_dir(out, "drafter", stats=stats, lineage=lineage) as tmp:
         atomic_write_text(tmp / "config.json", json.dumps(config, indent=2, sort_keys=True))
-        state = {k: v.detach().to("cpu").contiguous() for k, v in drafter.state_dict().items()}
+        state = {k: (v.to(DTYPES[dtype]) if v.is_floating_point() else v).detach().to("cpu").contiguous()
+                 for k, v in state.items()}
         save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
     return Path(out)
 
@@ -43,14 +76,18 @@ def load_drafter(path: str | Path, device: str | torch.device = "cpu", dtype=tor
     missing = [key for key in REQUIRED if key not in raw]
     if missing:
         raise BadInput(f"{path}/config.json is not a DFlash drafter config: missing {', '.join(missing)}")
-    config = Qwen3Config(**{k: v for k, v in raw.items() if k not in ("architectures", "model_type")})
+    # transformers 4.x-style configs (top-level rope_theta, no rope_parameters) read the same way: 5.x folds
+    # rope_theta into rope_parameters.
+    config = Qwen3Config(**{k: v for k, v in raw.items() if k not in ("architectures", "model_type", "torch_dtype")})
     config.architectures = raw.get("architectures", ["DFlashDraftModel"])
     config.block_size, config.num_target_layers = raw["block_size"], raw["num_target_layers"]
     config.dflash_config = raw["dflash_config"]
     config.draft_vocab_size = raw.get("draft_vocab_size")
     drafter = DFlashDrafter(config)
     try:
-        drafter.load_state_dict(load_file(str(path / "model.safetensors")))
+        state = load_file(str(path / "model.safetensors"))
+        state.pop("lm_head.weight", None)  # a reduced vocabulary's head rows: the target's, read from the target
+        drafter.load_state_dict(state)
     except (OSError, SafetensorError, RuntimeError) as e:  # missing, truncated, or of another shape
         raise BadInput(f"{path}/model.safetensors cannot be loaded as this drafter: {e}") from None
     return drafter.to(device=device, dtype=dtype)

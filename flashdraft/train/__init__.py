@@ -145,7 +145,8 @@ def run(
         "seconds": round(time.perf_counter() - started, 1),
         "world_size": where.world,
     }
-    shipper.drafter(save_drafter(s.drafter, drafter_dir, stats=stats, lineage=lineage))
+    shipper.drafter(save_drafter(s.drafter, drafter_dir, stats=stats, lineage=lineage, dtype=cfg.export_dtype,
+                                 target_lm_head=s.target.lm_head.weight))
     shipper.wait()
     tau = held["simulated_acceptance_length"]
     say(f"train: done, verified — {drafter_dir}: {position['step']} steps, held-out simulated τ "

@@ -99,9 +99,23 @@ def test_reduced_draft_vocab_trains_exports_and_decodes_losslessly(target, tmp_p
     result = overfit(drafter, target, ids, mask, steps=150)
     assert result["rates"][0] > 0.9  # mapped labels: a wrong mapping would leave accuracy near zero
 
-    save_drafter(drafter, tmp_path / "drafter")
+    save_drafter(drafter, tmp_path / "drafter", dtype="float32", target_lm_head=target.lm_head.weight)
     loaded = load_drafter(tmp_path / "drafter")
     assert torch.equal(loaded.draft_ids(), vocab)
+
+    # Read the way vLLM's DFlash loader does (qwen3_dflash.py): an lm_head of draft_vocab_size rows, d2t as
+    # draft_id_to_target_id, and logits scattered to target id = draft id + d2t (−inf elsewhere).
+    from safetensors.torch import load_file
+
+    weights = load_file(str(tmp_path / "drafter" / "model.safetensors"))
+    assert weights["lm_head.weight"].shape == (64, target.config.hidden_size)
+    hidden = torch.randn(3, target.config.hidden_size)
+    engine_targets = torch.arange(64) + weights["d2t"]
+    engine_logits = torch.full((3, target.config.vocab_size), float("-inf"))
+    engine_logits[:, engine_targets] = hidden @ weights["lm_head.weight"].T
+    ours = loaded.to_target_vocab(hidden @ target.head_weight(loaded).T, target.config.vocab_size)
+    assert torch.allclose(engine_logits, ours, atol=1e-5)
+
     spec = SpecDecoder(target, loaded, stop_ids=set()).generate(PROMPT, 64)
     assert spec.tokens == ids[len(PROMPT) :].tolist() and spec.acceptance_length > 3.0
 

@@ -1,7 +1,9 @@
 """The z-lab export format, written and read back."""
 
 import json
+from pathlib import Path
 
+import pytest
 import torch
 from safetensors.torch import load_file
 
@@ -10,28 +12,54 @@ from flashdraft.model.drafter import DFlashDrafter, draft_config
 from flashdraft.model.export import load_drafter, save_drafter
 
 
-def test_export_round_trip(tiny_target, tmp_path):
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_export_round_trip(tiny_target, tmp_path, dtype):
     from transformers import AutoConfig
 
-    config = draft_config(AutoConfig.from_pretrained(tiny_target), num_layers=2, block_size=8, mask_token_id=127)
+    target = AutoConfig.from_pretrained(tiny_target)
+    target.rope_parameters = {"rope_type": "default", "rope_theta": 1_000_000.0}
+    config = draft_config(target, num_layers=2, block_size=8, mask_token_id=127)
     drafter = DFlashDrafter(config)
-    save_drafter(drafter, tmp_path / "drafter", stats={"x": 1})
+    save_drafter(drafter, tmp_path / "drafter", stats={"x": 1}, dtype=dtype)
     raw = json.loads((tmp_path / "drafter" / "config.json").read_text())
     assert raw["architectures"] == ["DFlashDraftModel"] and raw["block_size"] == 8
     assert raw["num_target_layers"] == 6 and raw["dflash_config"] == {"mask_token_id": 127, "target_layer_ids": [1, 3]}
     assert raw["model_type"] == "qwen3" and raw["num_hidden_layers"] == 2
-    names = set(load_file(str(tmp_path / "drafter" / "model.safetensors")))
-    assert {"fc.weight", "hidden_norm.weight", "norm.weight", "layers.1.self_attn.k_norm.weight"} <= names
-    assert not any("embed" in n or "lm_head" in n or "rotary" in n for n in names)
+    # RoPE stated for transformers 4.x readers (top level) and 5.x (rope_parameters) alike; dtype under both names
+    assert raw["rope_theta"] == raw["rope_parameters"]["rope_theta"] == 1_000_000.0 and "rope_scaling" not in raw
+    assert raw["dtype"] == raw["torch_dtype"] == dtype and raw["transformers_version"]
+    weights = load_file(str(tmp_path / "drafter" / "model.safetensors"))
+    assert {"fc.weight", "hidden_norm.weight", "norm.weight", "layers.1.self_attn.k_norm.weight"} <= set(weights)
+    assert not any("embed" in n or "lm_head" in n or "rotary" in n for n in weights)
+    assert {t.dtype for t in weights.values()} == {getattr(torch, dtype)}
     assert read_manifest(tmp_path / "drafter").kind == "drafter"
     loaded = load_drafter(tmp_path / "drafter")
     for (name, a), (_, b) in zip(drafter.state_dict().items(), loaded.state_dict().items(), strict=True):
-        assert torch.equal(a, b), name
+        assert torch.equal(a.to(getattr(torch, dtype)).float(), b), name  # exact at the exported precision
     assert loaded.block_size == 8 and loaded.target_layer_ids == [1, 3] and loaded.mask_token_id == 127
+    assert loaded.config.rope_parameters["rope_theta"] == 1_000_000.0
+
+
+def test_a_hand_written_transformers_4_style_drafter_loads_with_its_theta(tmp_path):
+    """A z-lab-style drafter directory flashdraft did not write: top-level rope_theta, no rope_parameters."""
+    from safetensors.torch import save_file
+    from transformers import Qwen3Config
+
+    target = Qwen3Config(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=6,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=8)
+    made = DFlashDrafter(draft_config(target, num_layers=1, block_size=16, mask_token_id=127, target_layer_ids=[1, 3]))
+    raw = {"architectures": ["DFlashDraftModel"], "model_type": "qwen3", "hidden_size": 32, "intermediate_size": 64,
+           "num_hidden_layers": 1, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8,
+           "vocab_size": 128, "rms_norm_eps": 1e-6, "rope_theta": 1_000_000, "max_position_embeddings": 4096,
+           "block_size": 16, "num_target_layers": 6, "torch_dtype": "bfloat16",
+           "dflash_config": {"mask_token_id": 127, "target_layer_ids": [1, 3]}}
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    save_file({k: v.to(torch.bfloat16) for k, v in made.state_dict().items()}, str(tmp_path / "model.safetensors"))
+    loaded = load_drafter(tmp_path)
+    assert loaded.config.rope_parameters["rope_theta"] == 1_000_000 and loaded.block_size == 16
 
 
 def test_an_architecture_without_decoder_layers_is_named(tmp_path):
-    import pytest
     from transformers import GPT2Config, GPT2LMHeadModel
 
     from flashdraft.errors import BadInput
@@ -39,3 +67,45 @@ def test_an_architecture_without_decoder_layers_is_named(tmp_path):
 
     with pytest.raises(BadInput, match="GPT2LMHeadModel: cannot find its decoder layers"):
         language_model(GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64)))
+
+
+@pytest.mark.slow
+def test_transformers_4_57_reads_the_trained_theta(tmp_path, tiny_target):
+    """The z-lab reference pins transformers 4.57: in a throwaway venv with it (reusing this torch through a
+    .pth file), the exported config.json gives the RoPE base, shapes and DFlash fields training used."""
+    import subprocess
+    import sys
+    import sysconfig
+
+    from transformers import AutoConfig
+
+    target = AutoConfig.from_pretrained(tiny_target)
+    target.rope_parameters = {"rope_type": "default", "rope_theta": 1_000_000.0}
+    drafter = DFlashDrafter(draft_config(target, num_layers=2, block_size=8, mask_token_id=127, sliding_window=32))
+    save_drafter(drafter, tmp_path / "drafter")
+    trained = drafter.rotary_emb.inv_freq
+
+    venv = tmp_path / "tf457"
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+    python = venv / "bin" / "python"
+    subprocess.run([str(python), "-m", "pip", "install", "--quiet", "--disable-pip-version-check",
+                    "transformers==4.57.1"], check=True)
+    site = subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                          check=True, capture_output=True, text=True).stdout.strip()
+    (Path(site) / "reuse-torch.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")  # after its own packages
+    check = f"""
+import json, torch, transformers
+from transformers import Qwen3Config
+from transformers.models.qwen3.modeling_qwen3 import Qwen3RotaryEmbedding
+assert transformers.__version__ == "4.57.1", transformers.__version__
+c = Qwen3Config.from_pretrained({str(tmp_path / 'drafter')!r})
+print(json.dumps({{"theta": c.rope_theta, "inv_freq": Qwen3RotaryEmbedding(c).inv_freq.tolist(),
+                  "block_size": c.block_size, "dflash": c.dflash_config, "layer_types": c.layer_types,
+                  "sliding_window": c.sliding_window, "head_dim": c.head_dim, "dtype": str(c.torch_dtype)}}))
+"""
+    out = json.loads(subprocess.run([str(python), "-c", check], check=True, capture_output=True, text=True).stdout)
+    assert out["theta"] == 1_000_000.0 and torch.allclose(torch.tensor(out["inv_freq"]), trained.float())
+    assert out["block_size"] == 8
+    assert out["dflash"] == {"mask_token_id": 127, "target_layer_ids": [1, 3], "causal": False}
+    assert out["layer_types"] == ["sliding_attention", "full_attention"] and out["sliding_window"] == 32
+    assert out["head_dim"] == 16 and out["dtype"] == "torch.bfloat16"

@@ -93,6 +93,7 @@ def test_sliding_window_layers_export_as_the_standard_fields(tmp_path):
     save_drafter(drafter, tmp_path / "d")
     raw = __import__("json").loads((tmp_path / "d" / "config.json").read_text())
     assert raw["layer_types"] == drafter.layer_types and raw["sliding_window"] == 64 and raw["use_sliding_window"]
+    assert raw["dflash_config"]["causal"] is False  # else vLLM runs sliding draft layers causally
     assert load_drafter(tmp_path / "d").sliding_window == 64
     with pytest.raises(BadInput, match="smaller than the block size"):
         draft_config(target, num_layers=3, block_size=8, mask_token_id=127, sliding_window=4)
