@@ -196,6 +196,9 @@ def train(
         str | None,
         typer.Option(help="online: target runs in each step; offline: its features are cached once (small runs)."),
     ] = None,
+    init_from: Annotated[
+        str | None, typer.Option(help="Start from this z-lab-format drafter (e.g. a published one) and fine-tune it.")
+    ] = None,
     config: ConfigFlag = None,
     json_out: JsonFlag = False,
 ) -> None:
@@ -203,7 +206,7 @@ def train(
     from flashdraft import train as stage
 
     overrides = {"train.target": target, "train.max_steps": max_steps, "train.epochs": epochs,
-                 "train.push_to": push_to, "train.features": features}
+                 "train.push_to": push_to, "train.features": features, "train.init_from": init_from}
     cfg = load_config(config, overrides)
     data = data or stage_dir(cfg.workdir, "tokenize")
     out = out or train_dir(cfg.workdir)

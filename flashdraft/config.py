@@ -84,6 +84,7 @@ class TrainConfig(Section):
     draft_vocab_size: Positive | None = None  # a reduced draft vocabulary (most frequent tokens) for cheap CPU runs
     eval_samples: NonNegative = 16  # held-out samples (a seeded pick) for per-position accuracy and simulated τ
     init_from_target: bool = False  # start draft layers from the target's last layers
+    init_from: str | None = None  # start from an existing z-lab-format drafter (its shape and settings)
     mask_token_id: NonNegative | None = None  # None: an id the target never uses (a padded row, or unseen in the data)
     device: str | None = None  # drafter device; None: cuda if available, else cpu; "a;b": one per local rank
     target_device: str | None = None  # "cuda:0,cuda:1" spreads the target; "cuda:0;cuda:1" one per local rank

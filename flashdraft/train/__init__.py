@@ -94,7 +94,8 @@ def run(
     lineage = Lineage(
         inputs=[manifest_digest(data)],
         config=sha256_json(
-            {"train": cfg.model_dump(exclude=NOT_LINEAGE), "world": where.world, "target": identity(target_path)}
+            {"train": cfg.model_dump(exclude=NOT_LINEAGE), "world": where.world, "target": identity(target_path),
+             "init_from": identity(cfg.init_from) if cfg.init_from else None}
         ),
     )
     drafter_dir = out / DRAFTER
@@ -177,21 +178,26 @@ def setup(cfg: TrainConfig, data: Path, out: Path, target_path: str, where: Plac
     from transformers import get_cosine_schedule_with_warmup
 
     target = Target(target_path, where.target_device, say)
-    dataset = load_dataset_checked(data, cfg.block_size, target.config.vocab_size, cfg.max_length)
-    config = draft_config(target.config, num_layers=cfg.num_layers, block_size=cfg.block_size,
-                          mask_token_id=pick_mask_token(cfg, target.config, target.path, dataset),
-                          target_layer_ids=cfg.target_layer_ids, draft_vocab_size=cfg.draft_vocab_size,
-                          sliding_window=cfg.sliding_window)
-    target.watch(config.dflash_config["target_layer_ids"])
+    imported = import_drafter(cfg.init_from, target.config, say) if cfg.init_from else None
+    block_size = imported.block_size if imported is not None else cfg.block_size
+    dataset = load_dataset_checked(data, block_size, target.config.vocab_size, cfg.max_length)
     train_ids, heldout_ids = split_heldout(len(dataset), cfg.eval_samples, cfg.seed)
-
     torch.manual_seed(cfg.seed)
-    drafter = DFlashDrafter(config).to(where.device)
-    if cfg.init_from_target:
-        drafter.init_from_target(attention_layers(target.decoder))
-    if cfg.draft_vocab_size:
-        vocab = choose_draft_vocab(dataset.select(train_ids), cfg.draft_vocab_size, target.config.vocab_size)
-        drafter.set_draft_vocab(vocab)
+    if imported is not None:
+        drafter = imported
+    else:
+        config = draft_config(target.config, num_layers=cfg.num_layers, block_size=cfg.block_size,
+                              mask_token_id=pick_mask_token(cfg, target.config, target.path, dataset),
+                              target_layer_ids=cfg.target_layer_ids, draft_vocab_size=cfg.draft_vocab_size,
+                              sliding_window=cfg.sliding_window)
+        drafter = DFlashDrafter(config)
+        if cfg.init_from_target:
+            drafter.init_from_target(attention_layers(target.decoder))
+        if cfg.draft_vocab_size:
+            vocab = choose_draft_vocab(dataset.select(train_ids), cfg.draft_vocab_size, target.config.vocab_size)
+            drafter.set_draft_vocab(vocab)
+    drafter = drafter.to(where.device, torch.float32)
+    target.watch(drafter.target_layer_ids)
     cache = None
     if cfg.features == "offline":
         from flashdraft.train.feature_cache import offline_features
@@ -204,6 +210,27 @@ def setup(cfg: TrainConfig, data: Path, out: Path, target_path: str, where: Plac
     scheduler = get_cosine_schedule_with_warmup(optimizer, math.ceil(cfg.warmup_ratio * total_steps), total_steps)
     return Setup(where, target, dataset, train_ids, heldout_ids, drafter, model, optimizer, scheduler, cache,
                  steps_per_epoch, total_steps)
+
+
+def import_drafter(path: str, target_config, say) -> DFlashDrafter:
+    """An existing z-lab-format drafter (a published one, to fine-tune on your data), checked against the
+    target: its shape, the target layers it reads and the vocabulary must be this target's."""
+    from flashdraft.model.export import load_drafter
+
+    drafter = load_drafter(path)
+    c = drafter.config
+    mismatches = [f"{what} {mine} vs the target's {theirs}" for what, mine, theirs in (
+        ("hidden size", c.hidden_size, target_config.hidden_size),
+        ("target layer count", c.num_target_layers, target_config.num_hidden_layers),
+        ("vocabulary", c.vocab_size, target_config.vocab_size),
+    ) if mine != theirs]
+    if max(drafter.target_layer_ids) >= target_config.num_hidden_layers:
+        mismatches.append(f"target layers {drafter.target_layer_ids} beyond its {target_config.num_hidden_layers}")
+    if mismatches:
+        raise BadTrainingInput(f"--init-from {path} was made for another target: {'; '.join(mismatches)}")
+    say(f"train: starting from {path}: {len(drafter.layers)} layers, block {drafter.block_size}, target layers "
+        f"{drafter.target_layer_ids}, mask token {drafter.mask_token_id} (its settings, not train.num_layers etc.)")
+    return drafter
 
 
 def loop(cfg: TrainConfig, s: Setup, position: dict, sinks: MetricSinks, shipper: CheckpointShipper,

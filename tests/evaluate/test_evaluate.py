@@ -219,3 +219,30 @@ def test_eval_stage_writes_a_verified_report(tmp_path, tiny_model_dir, target, o
     lines = []
     run(cfg, tmp_path / "drafter", tmp_path / "eval", log=lines.append)
     assert "already done, verified" in lines[0]
+
+
+def test_eval_of_a_z_lab_format_drafter_flashdraft_did_not_make(tmp_path, tiny_model_dir, overfit_drafter):
+    """A drafter directory as the reference publishes them: transformers-4 config (top-level rope_theta, no
+    rope_parameters, torch_dtype), bf16 weights, no manifest. Eval reads it, says it is unverified, stays lossless."""
+    from safetensors.torch import save_file
+
+    c = overfit_drafter.config
+    raw = {"architectures": ["DFlashDraftModel"], "model_type": "qwen3", "hidden_size": c.hidden_size,
+           "intermediate_size": c.intermediate_size, "num_hidden_layers": c.num_hidden_layers,
+           "num_attention_heads": c.num_attention_heads, "num_key_value_heads": c.num_key_value_heads,
+           "head_dim": c.head_dim, "vocab_size": c.vocab_size, "rms_norm_eps": c.rms_norm_eps,
+           "rope_theta": c.rope_parameters["rope_theta"], "max_position_embeddings": c.max_position_embeddings,
+           "block_size": c.block_size, "num_target_layers": c.num_target_layers, "torch_dtype": "bfloat16",
+           "dflash_config": c.dflash_config}
+    drafter_dir = tmp_path / "z-lab-style"
+    drafter_dir.mkdir()
+    (drafter_dir / "config.json").write_text(json.dumps(raw))
+    save_file({k: v.to(torch.bfloat16) for k, v in overfit_drafter.state_dict().items()},
+              str(drafter_dir / "model.safetensors"))
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"prompt": "Tell me about owls."}) + "\n")
+    lines = []
+    stats = run(EvalConfig(prompts=str(prompts), target=tiny_model_dir, max_new_tokens=24), drafter_dir,
+                tmp_path / "eval", log=lines.append)
+    assert any("has no manifest" in line for line in lines)
+    assert stats["lossless"] is True and stats["prompts"] == 1

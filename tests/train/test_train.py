@@ -17,6 +17,7 @@ from safetensors.torch import load_file
 from flashdraft.artifact.manifest import build_manifest, read_manifest, verify_dir, write_manifest
 from flashdraft.config import TrainConfig
 from flashdraft.model.drafter import DFlashDrafter, draft_config
+from flashdraft.model.export import save_drafter
 from flashdraft.model.objective import (
     block_attention_mask,
     build_blocks,
@@ -291,3 +292,25 @@ def test_two_process_ddp_matches_single_process_on_the_same_global_batch(tiny_ta
         a = load_file(str(tmp_path / "one" / "checkpoints" / step / "drafter.safetensors"))
         b = load_file(str(tmp_path / "two" / "checkpoints" / step / "drafter.safetensors"))
         assert all(torch.allclose(a[k], b[k], atol=1e-5) for k in a), step
+
+
+def test_init_from_an_existing_drafter_starts_from_its_weights(tiny_target, tiny_dataset, tmp_path):
+    first = tmp_path / "first"
+    run(tiny_cfg(tiny_target, max_steps=4), tiny_dataset, first, log=quiet)
+    lines = []  # a near-zero learning rate: what comes out is what went in (at bf16 export precision)
+    run(tiny_cfg(tiny_target, max_steps=1, lr=1e-12, num_layers=3, block_size=16, init_from=str(first / "drafter")),
+        tiny_dataset, tmp_path / "second", log=lines.append)
+    assert any("starting from" in line and "block 8" in line for line in lines)  # its settings, not ours
+    before, after = load_file(str(first / "drafter" / "model.safetensors")), load_file(
+        str(tmp_path / "second" / "drafter" / "model.safetensors"))
+    assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
+
+
+def test_init_from_a_drafter_of_another_target_is_refused(tiny_target, tiny_dataset, tmp_path):
+    from transformers import Qwen3Config
+
+    other = Qwen3Config(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=6,
+                        num_attention_heads=4, num_key_value_heads=2, head_dim=8)
+    save_drafter(DFlashDrafter(draft_config(other, num_layers=1, block_size=8, mask_token_id=127)), tmp_path / "d")
+    with pytest.raises(BadTrainingInput, match="made for another target: hidden size 32 vs the target's 64"):
+        run(tiny_cfg(tiny_target, init_from=str(tmp_path / "d")), tiny_dataset, tmp_path / "out", log=quiet)
