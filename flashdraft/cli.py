@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import functools
 import json
+import os
+import sys
 from enum import StrEnum
 from pathlib import Path
 from typing import Annotated, Any, NoReturn
@@ -94,6 +96,8 @@ def main(
     ] = False,
 ) -> None:
     """Train DFlash drafters: generate → tokenize → train → eval, with verified artifacts and sync."""
+    if not sys.stderr.isatty():  # a log file: library progress bars (weights loading, shards) would fill it
+        os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 
 
 # ---------------------------------------------------------------------------------------------- stages

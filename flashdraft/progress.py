@@ -1,14 +1,22 @@
-"""One progress display for the long stages: a rich bar on a terminal, nothing elsewhere (logs stay clean).
+"""One progress display for the long stages: a rich bar on a terminal; in a log file (stdout or stderr not a
+terminal, as on a remote machine under nohup or a scheduler), one plain line at a steady interval with
+done/total, rate and ETA, so hours of work are never silent.
 
 with progress(console, "generate {task.fields[tps]} tok/s", total=n, tps="–") as update:
     update(advance=32, tps="412")
+
+`FLASHDRAFT_PROGRESS_SECONDS` sets the interval of the plain lines (default 30).
 """
 
 from __future__ import annotations
 
+import os
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from types import SimpleNamespace
 
+from rich.markup import escape
 from rich.progress import (
     BarColumn,
     MofNCompleteColumn,
@@ -26,10 +34,48 @@ def progress(console, text: str, total: int | None = None, completed: int = 0, *
     if console is None:
         yield lambda advance=0, **kw: None
         return
+    if not console.is_terminal:
+        yield PlainLines(console, text, total, completed, fields).update
+        return
     if total is None:
         columns = (SpinnerColumn(), TextColumn(text), TimeElapsedColumn())
     else:
         columns = (TextColumn(text), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn())
-    with Progress(*columns, console=console, disable=not console.is_terminal) as bar:
+    with Progress(*columns, console=console) as bar:
         task = bar.add_task("", total=total, completed=completed, **fields)
         yield lambda advance=0, **kw: bar.update(task, advance=advance, **kw)
+
+
+class PlainLines:
+    """The same progress as plain log lines, at most one per interval: "<text> 120/400 (30%), 2.1/s, ETA 2m13s"."""
+
+    def __init__(self, console, text: str, total: int | None, completed: int, fields: dict) -> None:
+        self.console, self.text, self.total, self.fields = console, text, total, dict(fields)
+        self.started_at, self.done = completed, completed
+        self.interval = float(os.environ.get("FLASHDRAFT_PROGRESS_SECONDS", "30"))
+        self.t0 = self.last = time.monotonic()
+
+    def update(self, advance: int = 0, **fields) -> None:
+        self.done += advance
+        self.fields.update(fields)
+        now = time.monotonic()
+        if now - self.last < self.interval:
+            return
+        self.last = now
+        task = SimpleNamespace(completed=self.done, total=self.total, fields=self.fields)
+        rate = (self.done - self.started_at) / max(now - self.t0, 1e-9)
+        line = self.text.format(task=task)
+        if self.total:
+            eta = (self.total - self.done) / rate if rate > 0 else float("inf")
+            line += f" {self.done:,}/{self.total:,} ({self.done / self.total:.0%}), {rate:,.2f}/s, ETA {_duration(eta)}"
+        else:
+            line += f" ({rate:,.2f}/s, {_duration(now - self.t0)} elapsed)"
+        self.console.print(escape(line), soft_wrap=True, highlight=False)
+
+
+def _duration(seconds: float) -> str:
+    if seconds == float("inf"):
+        return "?"
+    minutes, secs = divmod(int(seconds), 60)
+    hours, minutes = divmod(minutes, 60)
+    return f"{hours}h{minutes:02d}m" if hours else f"{minutes}m{secs:02d}s"

@@ -273,3 +273,17 @@ def test_vllm_backend_without_vllm_is_a_clear_error(cli, tmp_path):
     src = prompts_file(tmp_path / "p.jsonl", 2)
     proc = cli("generate", "--prompts", src, "--out", str(tmp_path / "gen"), "--backend", "vllm")
     assert proc.returncode == 1 and "needs vllm" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_in_a_log_file_progress_is_plain_lines_and_library_bars_are_silent(cli, tmp_path, tiny_model_dir):
+    """stdout/stderr are files here, as under nohup or a scheduler: no rich bars, no "Loading weights" bars,
+    but a plain progress line at the set interval."""
+    import os
+
+    src = prompts_file(tmp_path / "p.jsonl", 4)
+    env = {**os.environ, "FLASHDRAFT_PROGRESS_SECONDS": "0"}
+    proc = cli("generate", "--prompts", src, "--out", str(tmp_path / "gen"), "--model", tiny_model_dir,
+               "--batch-size", "2", "--max-new-tokens", "2", env=env, check=True)
+    lines = [line for line in proc.stderr.splitlines() if line.startswith("generate") and "/4 (" in line]
+    assert [line.split("/4 (")[0].rsplit(" ", 1)[1] for line in lines] == ["2", "4"] and "ETA" in lines[0]
+    assert "Loading weights" not in proc.stderr and "\r" not in proc.stderr
