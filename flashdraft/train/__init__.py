@@ -21,6 +21,7 @@ the stage's output.
 from __future__ import annotations
 
 import math
+import os
 import time
 from collections.abc import Callable
 from contextlib import nullcontext
@@ -53,6 +54,7 @@ from flashdraft.train.checkpoint import (
     latest_checkpoint,
     load_checkpoint,
     other_work,
+    pull_newer_checkpoint,
     save_checkpoint,
 )
 from flashdraft.train.data import (
@@ -108,6 +110,12 @@ def run(
             shipper.wait()
         return read_manifest(drafter_dir).stats
     resume = latest_checkpoint(out, lineage, say)
+    if cfg.push_to:  # the store may hold a newer checkpoint of this run (this machine replaces a dead one)
+        first_on_node = int(os.environ.get("LOCAL_RANK", 0)) == 0  # each node pulls onto its own disk
+        pulled = pull_newer_checkpoint(out, cfg.push_to, lineage, resume, say) if first_on_node else None
+        barrier(where.world)
+        if pulled is not None or not first_on_node:
+            resume = latest_checkpoint(out, lineage, say)
     if resume is None and (other := other_work(out, lineage)):
         raise BadTrainingInput(f"{out} holds {other} trained from other data or settings; training here would "
                                f"discard it. Use another --out, or delete {out / DRAFTER} and {out / CHECKPOINTS} "

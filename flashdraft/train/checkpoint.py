@@ -18,7 +18,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from flashdraft.artifact.atomic import atomic_write_text
-from flashdraft.artifact.manifest import Lineage, ManifestError, commit_dir, read_manifest, verify_dir
+from flashdraft.artifact.manifest import MANIFEST, Lineage, ManifestError, commit_dir, read_manifest, verify_dir
 from flashdraft.config import TrainConfig
 from flashdraft.layout import CHECKPOINTS, DRAFTER, join
 
@@ -109,6 +109,30 @@ def latest_checkpoint(out: Path, lineage: Lineage, log: Callable[[str], None]) -
             log(f"train: ignoring checkpoint {path.name} (made from other data or settings)")
             continue
         return path
+    return None
+
+
+def pull_newer_checkpoint(out: Path, push_to: str, lineage: Lineage, local: Path | None,
+                          log: Callable[[str], None]) -> Path | None:
+    """The newest checkpoint of this run that verifies in the store, pulled into `out` when it is newer than the
+    newest local one: a replacement machine with an empty disk continues where the last push left off."""
+    from flashdraft.artifact.store import open_store
+    from flashdraft.artifact.sync import pull, remote_manifest, verify_store
+
+    listed = open_store(join(push_to, CHECKPOINTS)).list()
+    names = sorted({key.split("/", 1)[0] for key in listed if key.endswith(f"/{MANIFEST}")}, reverse=True)
+    for name in names:
+        if local is not None and name <= local.name:
+            return None  # the local disk has this one or a newer one
+        store = open_store(join(push_to, f"{CHECKPOINTS}/{name}"))
+        if not remote_manifest(store)[0].lineage.same_work(lineage):
+            log(f"train: ignoring {store.url} (made from other data or settings)")
+            continue
+        if problems := verify_store(store):
+            log(f"train: ignoring {store.url} ({problems[0]})")
+            continue
+        log(pull(store, out / CHECKPOINTS / name, delete=True).line())
+        return out / CHECKPOINTS / name
     return None
 
 

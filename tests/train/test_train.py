@@ -314,3 +314,30 @@ def test_init_from_a_drafter_of_another_target_is_refused(tiny_target, tiny_data
     save_drafter(DFlashDrafter(draft_config(other, num_layers=1, block_size=8, mask_token_id=127)), tmp_path / "d")
     with pytest.raises(BadTrainingInput, match="made for another target: hidden size 32 vs the target's 64"):
         run(tiny_cfg(tiny_target, init_from=str(tmp_path / "d")), tiny_dataset, tmp_path / "out", log=quiet)
+
+
+def test_a_replacement_machine_resumes_from_the_stores_newest_checkpoint(tiny_target, tiny_dataset, tmp_path):
+    """The first machine pushed checkpoints up to step 4 and died; a second one with an empty disk and the same
+    settings pulls step 4 from the store and ends exactly where an uninterrupted run does."""
+    cfg = tiny_cfg(tiny_target, max_steps=6, checkpoint_every=2, keep_checkpoints=10)
+    run(cfg, tiny_dataset, tmp_path / "uninterrupted", log=quiet)
+
+    store = tmp_path / "store"
+    run(cfg.model_copy(update={"push_to": str(store)}), tiny_dataset, tmp_path / "first", log=quiet)
+    for name in ("checkpoints/step-0000006", "checkpoints/step-0000005", "drafter"):  # what it never pushed
+        shutil.rmtree(store / name)
+    shutil.rmtree(tmp_path / "first")
+
+    lines = []
+    run(cfg.model_copy(update={"push_to": str(store)}), tiny_dataset, tmp_path / "second", log=lines.append)
+    assert any(line.startswith("pull: ") for line in lines)
+    assert any("resuming from step-0000004" in line for line in lines)
+
+    def losses(out):
+        return {m["step"]: m["loss"] for m in map(json.loads, (out / "metrics.jsonl").open()) if "loss" in m}
+
+    assert losses(tmp_path / "second") == {s: v for s, v in losses(tmp_path / "uninterrupted").items() if s > 4}
+    a = load_file(str(tmp_path / "uninterrupted" / "drafter" / "model.safetensors"))
+    b = load_file(str(tmp_path / "second" / "drafter" / "model.safetensors"))
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert verify_dir(store / "drafter") == []  # and it pushed what it made
