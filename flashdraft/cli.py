@@ -150,7 +150,11 @@ def generate(
 
 @app.command()
 def tokenize(
-    input: Annotated[Path | None, typer.Option(help="A generate artifact, or JSONL/Parquet conversations.")] = None,
+    input: Annotated[
+        list[Path] | None,
+        typer.Option(help="A generate artifact (or a directory of generate shards), or JSONL/Parquet "
+                     "conversations; repeat to merge several inputs into one dataset (duplicates dropped by id)."),
+    ] = None,
     out: Annotated[Path | None, typer.Option(help="Output dataset directory (Arrow shards + manifest).")] = None,
     tokenizer: Annotated[str | None, typer.Option(help="Tokenizer REF (default: the target's).")] = None,
     max_length: Annotated[int | None, typer.Option(help="Truncate samples to this many tokens.")] = None,
@@ -173,9 +177,9 @@ def tokenize(
     }
     cfg = load_config(config, overrides)
     out = out or stage_dir(cfg.workdir, "tokenize")
-    if input is None and show:
+    if not input and show:
         return stage.show(out, show, human(json_out), cfg.tokenize.tokenizer)
-    source = input or stage_dir(cfg.workdir, "generate")
+    source = list(input) if input else stage_dir(cfg.workdir, "generate")
     stats = stage.run(cfg.tokenize, source, out, console=err_console, log=human(json_out).print)
     if show:
         stage.show(out, show, human(json_out), cfg.tokenize.tokenizer)

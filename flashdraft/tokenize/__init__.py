@@ -40,10 +40,11 @@ from flashdraft.artifact.manifest import (
     sha256_json,
 )
 from flashdraft.config import TokenizeConfig
-from flashdraft.errors import BadInput, ExpectedFailure
+from flashdraft.errors import ExpectedFailure
 from flashdraft.model.resolve import vocab_fingerprint
 from flashdraft.progress import progress
-from flashdraft.tokenize.records import input_records
+from flashdraft.tokenize.offsets import longest_run
+from flashdraft.tokenize.records import all_records, expand_inputs
 from flashdraft.tokenize.render import Renderer
 from flashdraft.tokenize.shards import ShardWriter
 from flashdraft.tokenize.workers import CHUNK, ChunkResult, init_pool_worker, init_worker, no_cyclic_gc, process_chunk
@@ -68,21 +69,21 @@ def _chunks(records: Iterator, size: int) -> Iterator[list]:
 
 def run(
     cfg: TokenizeConfig,
-    source: Path,
+    source: Path | list[Path],
     out: Path,
     *,
     console=None,
     log: Callable[[str], None] = print,
 ) -> dict[str, Any]:
-    """Tokenize `source` into `out`; returns the dataset stats. Raises QualityGateFailed below the gate."""
+    """Tokenize `source` (one input or several, merged into one dataset) into `out`; returns the dataset stats.
+    Raises QualityGateFailed below the gate."""
     from flashdraft.model.resolve import resolve_model
 
-    source, out = Path(source), Path(out)
-    if not source.exists():
-        raise BadInput(f"input not found: {source}")
+    sources = expand_inputs([Path(p) for p in (source if isinstance(source, list) else [source])])
+    out = Path(out)
     tokenizer_path = resolve_model(cfg.tokenizer, log=log)
     lineage = Lineage(
-        inputs=[content_digest(source)],
+        inputs=[content_digest(s) for s in sources],
         config=sha256_json({"tokenize": cfg.model_dump(exclude={"workers"}), "tokenizer": identity(tokenizer_path)}),
     )
     decision = check_done(out, lineage)
@@ -91,12 +92,14 @@ def run(
         return read_manifest(out).stats
     _clear_output(out)
 
-    records, from_generate = input_records(source)
+    records, from_generate = all_records(sources)
+    if len(sources) > 1:
+        log(f"tokenize: {len(sources)} inputs merged ({', '.join(s.name for s in sources)}), duplicates dropped by id")
     workers = cfg.workers or os.cpu_count() or 1
     writer = ShardWriter(out, cfg.rows_per_shard)
     totals = ChunkResult()
     lengths: list[int] = []
-    seen_tokens = 0
+    seen_tokens, seen_ids, duplicates = 0, set(), 0
     init = (tokenizer_path, cfg, from_generate)
     text = "tokenize {task.completed:,} records, {task.fields[tokens]:,} tokens"
     with progress(console, text, tokens=0) as update, no_cyclic_gc():
@@ -109,6 +112,7 @@ def run(
             results = pool.imap(process_chunk, _chunks(records, CHUNK))  # ordered: same output for any N
         try:
             for chunk in results:
+                duplicates += drop_seen(chunk, seen_ids, cfg.block_size)
                 writer.add(chunk.rows)
                 totals.rejected.extend(chunk.rejected)
                 totals.add_counts(chunk)
@@ -128,6 +132,7 @@ def run(
         "loss_tokens": loss_tokens,
         "loss_fraction": round(loss_tokens / tokens, 6) if tokens else 0.0,
         "rejected": len(totals.rejected),
+        "duplicates": duplicates,
         "truncated": totals.truncated,
         "anchor_valid_samples": anchor_valid,
         "block_size": cfg.block_size,
@@ -155,6 +160,21 @@ def run(
         f"{anchor_valid} with a full block of supervised tokens"
     )
     return stats
+
+
+def drop_seen(chunk: ChunkResult, seen_ids: set[str], block_size: int) -> int:
+    """Drop rows whose id an earlier row had (the same conversation in two inputs), keeping the chunk's counts
+    right; returns how many were dropped."""
+    kept = []
+    for row in chunk.rows:
+        if row[0] in seen_ids:
+            chunk.loss_tokens -= int(row[2].sum(dtype=np.int64))
+            chunk.anchor_valid -= longest_run(row[2]) >= block_size
+            continue
+        seen_ids.add(row[0])
+        kept.append(row)
+    dropped, chunk.rows = len(chunk.rows) - len(kept), kept
+    return dropped
 
 
 def _gate(stats: dict[str, Any], cfg: TokenizeConfig) -> None:

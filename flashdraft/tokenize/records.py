@@ -49,6 +49,36 @@ def input_records(source: Path) -> tuple[Iterator[Item], bool]:
     return _jsonl_lines(files), False
 
 
+def expand_inputs(sources: list[Path]) -> list[Path]:
+    """The inputs to read: each given path, except that a directory holding only generate artifacts (the shards of
+    one prompt set, e.g. gen-0 … gen-N pulled from the store) stands for those artifacts, in name order."""
+    expanded = []
+    for source in sources:
+        if not source.exists():
+            raise BadInput(f"input not found: {source}")
+        shards = sorted(d for d in source.iterdir() if (d / MANIFEST).is_file()) if source.is_dir() else []
+        plain = source.is_dir() and not (source / MANIFEST).exists() and not any(
+            p.suffix in (".jsonl", ".json", ".parquet") for p in source.iterdir() if p.is_file())
+        expanded.extend(shards if plain and shards else [source])
+    return expanded
+
+
+def all_records(sources: list[Path]) -> tuple[Iterator[Item], bool]:
+    """Every input's records, one after the other (file names prefixed by their input's name when there are
+    several); all inputs must be of one kind: generate artifacts, or plain conversations."""
+    parts = [(source, *input_records(source)) for source in sources]  # artifacts verified here, before any work
+    kinds = {from_generate for _, _, from_generate in parts}
+    if len(kinds) > 1:
+        raise BadInput("the inputs mix generate artifacts and plain conversation files: tokenize them separately")
+
+    def chained() -> Iterator[Item]:
+        for source, records, _ in parts:
+            for name, line, raw in records:
+                yield (f"{source.name}/{name}" if len(parts) > 1 else name), line, raw
+
+    return chained(), kinds.pop()
+
+
 def _jsonl_lines(files: list[Path]) -> Iterator[Item]:
     for path in files:
         for number, raw in jsonl_lines(path):

@@ -371,3 +371,30 @@ def test_qwen3_5_style_template_masks_exactly_what_the_model_generates(tmp_path,
     # Counted, not hidden: with thinking off the prompt ends in "\n\n", one token alone but split before "4."
     # in the full text with this byte-level BPE — the serving/training difference this counter reports.
     assert stats["prompt_token_mismatches"] == 1
+
+
+def test_generate_shards_merge_into_one_dataset(cli, tmp_path, tiny_model_dir):
+    """Two generation hosts' shards: given as repeated --input or as the directory holding them, they merge into
+    one dataset with every record once; the lineage names both; a shard given twice adds nothing."""
+    prompts = write_jsonl(tmp_path / "p.jsonl", [{"prompt": f"Tell me about the number {i}."} for i in range(8)])
+    shards = tmp_path / "shards"
+    for i in range(2):
+        cli("generate", "--prompts", str(prompts), "--out", str(shards / f"gen-{i}"), "--model", tiny_model_dir,
+            "--max-new-tokens", "4", "--shard-index", str(i), "--num-shards", "2", check=True)
+    common = ["--tokenizer", tiny_model_dir, "--workers", "1", "--min-loss-fraction", "0.01", "--json"]
+    a = json.loads(cli("tokenize", "--input", str(shards / "gen-0"), "--input", str(shards / "gen-1"),
+                       "--out", str(tmp_path / "a"), *common, check=True).stdout)
+    b = json.loads(cli("tokenize", "--input", str(shards), "--out", str(tmp_path / "b"), *common, check=True).stdout)
+    sizes = [read_manifest(shards / f"gen-{i}").stats["records"] for i in range(2)]
+    assert min(sizes) > 0  # both hosts had work
+    assert a["samples"] == b["samples"] == 8 and a["duplicates"] == 0
+    assert len({r["id"] for r in load_rows(tmp_path / "a")}) == 8
+    assert len(read_manifest(tmp_path / "a").lineage.inputs) == 2
+    assert read_manifest(tmp_path / "a").files == read_manifest(tmp_path / "b").files  # the same dataset
+
+    twice = json.loads(cli("tokenize", "--input", str(shards / "gen-0"), "--input", str(shards / "gen-0"),
+                           "--out", str(tmp_path / "c"), *common, check=True).stdout)
+    assert twice["duplicates"] == twice["samples"] and twice["loss_tokens"] * 2 > 0
+    mixed = cli("tokenize", "--input", str(shards / "gen-0"), "--input", str(prompts), "--out", str(tmp_path / "d"),
+                *common)
+    assert mixed.returncode == 1 and "mix generate artifacts and plain conversation" in mixed.stderr
