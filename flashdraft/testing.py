@@ -100,10 +100,11 @@ def seaweed_server(data: Path, bucket: str = "flashdraft", timeout: float = 60) 
 class TcpForwarder:
     """A loopback TCP port that forwards to `target_port`, counting the bytes clients send.
 
-    With `refuse_for` > 0 it accepts nothing for that many seconds first: a server that is restarting.
+    With `refuse_for` > 0 it accepts nothing for that many seconds first: a server that is restarting. With
+    `die_after` bytes sent by clients, it drops every connection and stops accepting: a server that died.
     """
 
-    def __init__(self, target_port: int, refuse_for: float = 0.0) -> None:
+    def __init__(self, target_port: int, refuse_for: float = 0.0, die_after: int | None = None) -> None:
         import threading
 
         with socket.socket() as s:
@@ -111,8 +112,10 @@ class TcpForwarder:
             self.port = s.getsockname()[1]
         self.target_port = target_port
         self.bytes_up = 0
+        self.die_after = die_after
         self._lock = threading.Lock()
         self._listener: socket.socket | None = None
+        self._open: list[socket.socket] = []
         threading.Thread(target=self._serve, args=(refuse_for,), daemon=True).start()
         if refuse_for == 0:
             while self._listener is None:
@@ -124,6 +127,9 @@ class TcpForwarder:
                 if count:
                     with self._lock:
                         self.bytes_up += len(data)
+                    if self.die_after is not None and self.bytes_up > self.die_after:
+                        self.cut()
+                        return
                 dst.sendall(data)
         except OSError:
             pass
@@ -139,6 +145,7 @@ class TcpForwarder:
             while True:
                 client, _ = self._listener.accept()
                 upstream = socket.create_connection(("127.0.0.1", self.target_port))
+                self._open += [client, upstream]
                 threading.Thread(target=self._pipe, args=(client, upstream, True), daemon=True).start()
                 threading.Thread(target=self._pipe, args=(upstream, client, False), daemon=True).start()
         except OSError:
@@ -147,3 +154,13 @@ class TcpForwarder:
     def close(self) -> None:
         if self._listener is not None:
             self._listener.close()
+
+    def cut(self) -> None:
+        """The server dies: stop accepting and drop every open connection mid-transfer."""
+        self.close()
+        for sock in self._open:
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+            sock.close()

@@ -401,3 +401,21 @@ def test_asking_a_down_server_for_its_model_is_one_line(cli, tmp_path):
     failed_cleanly(cli("generate", "--prompts", src, "--out", str(tmp_path / "g"), "--backend", "openai",
                        "--base-url", f"http://127.0.0.1:{closed_port()}/v1", "--config", str(config)),
                    "which model it serves", "pass --model")
+
+
+def test_a_server_that_dies_during_a_multipart_upload_is_one_error_naming_the_upload(tmp_path, s3env, monkeypatch):
+    """The abort that follows a failed part cannot reach the dead server either; the error said is the upload's."""
+    from flashdraft.artifact.store import StoreError, open_store
+    from flashdraft.artifact.sync import push
+    from flashdraft.testing import TcpForwarder
+
+    art = tmp_path / "big"
+    art.mkdir()
+    (art / "big.bin").write_bytes(os.urandom(24 << 20))
+    dying = TcpForwarder(int(s3env.endpoint.rsplit(":", 1)[1]), die_after=8 << 20)  # mid-way through part 2
+    monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{dying.port}")
+    monkeypatch.setenv("FLASHDRAFT_S3_ATTEMPTS", "1")
+    with pytest.raises(StoreError) as failure:
+        push(art, open_store(f"s3://flashdraft/t-{uuid.uuid4().hex[:8]}/big"), part_size=5 << 20, log=lambda s: None)
+    message = str(failure.value)
+    assert "upload big.bin" in message and "abort" not in message.lower()
