@@ -419,3 +419,24 @@ def test_a_server_that_dies_during_a_multipart_upload_is_one_error_naming_the_up
         push(art, open_store(f"s3://flashdraft/t-{uuid.uuid4().hex[:8]}/big"), part_size=5 << 20, log=lambda s: None)
     message = str(failure.value)
     assert "upload big.bin" in message and "abort" not in message.lower()
+
+
+def test_a_write_the_disk_refuses_is_one_line_and_leaves_no_manifest(tmp_path, tiny_model_dir):
+    """A full disk, approximated by a file-size limit (writes past it fail with EFBIG, as ENOSPC would)."""
+    import resource
+    import signal
+    import subprocess
+    import sys
+
+    def small_files():
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a failed write, not a killed process
+        resource.setrlimit(resource.RLIMIT_FSIZE, (2000, 2000))
+
+    src = write_prompts(tmp_path / "p.jsonl", [json.dumps({"prompt": f"Tell me a long story number {i}."})
+                                               for i in range(6)])
+    out = tmp_path / "gen"
+    proc = subprocess.run([sys.executable, "-m", "flashdraft", "generate", "--prompts", src, "--out", str(out),
+                           "--model", tiny_model_dir, "--max-new-tokens", "64"],
+                          capture_output=True, text=True, preexec_fn=small_files)
+    failed_cleanly(proc, "File too large")
+    assert not (out / MANIFEST).exists()
