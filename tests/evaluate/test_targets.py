@@ -149,3 +149,45 @@ def test_every_target_kind_goes_through_every_stage(cli, tmp_path, smollm2_dir, 
     assert read_manifest(work / "eval").stats["lossless"] is True
     shown = cli("tokenize", "--out", str(work / "dataset"), "--tokenizer", m, "--show", "1", check=True).stdout
     assert "</think>" in shown and "supervised" in shown
+
+
+@pytest.mark.slow
+def test_sampling_on_a_hybrid_keeps_the_target_distribution(tmp_path):
+    """Temperature 1 on a Qwen3.5 hybrid: the third emitted token — drawn after a verify pass that may have been
+    cut short and rolled back — follows the target's exact marginal."""
+    import transformers as t
+
+    torch.manual_seed(0)
+    vocab = 10
+    model = t.Qwen3_5ForCausalLM(t.Qwen3_5TextConfig(**{**SHAPE, "vocab_size": vocab}, **HYBRID))
+    with torch.no_grad():
+        model.lm_head.weight.mul_(30)  # peaked distributions: a wrong acceptance rule or state shows up
+    model.save_pretrained(tmp_path / "t")
+    target = Target(str(tmp_path / "t"), "cpu", lambda s: None)
+    drafter = DFlashDrafter(draft_config(target.config, num_layers=1, block_size=3, mask_token_id=vocab - 1))
+    decoder = SpecDecoder(target, drafter, stop_ids=set())
+    prompt = [3, 5, 7]
+
+    with torch.no_grad():  # exact marginal of the third generated token
+        def dist(ids):
+            return torch.softmax(model(torch.tensor([ids])).logits[0, -1], -1)
+
+        third = torch.zeros(vocab)
+        p0 = dist(prompt)
+        for a in range(vocab):
+            p1 = dist(prompt + [a])
+            for b in range(vocab):
+                third += p0[a] * p1[b] * dist(prompt + [a, b])
+    target.discard_features()
+
+    generator, n = torch.Generator().manual_seed(1), 600
+    counts, partial = torch.zeros(vocab), 0
+    for _ in range(n):
+        spec = decoder.generate(prompt, 3, temperature=1.0, generator=generator)
+        counts[spec.tokens[2]] += 1
+        partial += spec.accepted[0] < 2
+    expected = third * n
+    keep = expected > 5
+    chi2 = float((((counts - expected) ** 2) / expected)[keep].sum())
+    assert chi2 < 35.0, (chi2, counts.tolist(), expected.tolist())  # df ≤ 9: p < 1e-4 for a correct sampler
+    assert partial > n // 10  # many samples went through a cut-short block and its rollback
