@@ -59,10 +59,6 @@ def run(
     drafter_dir, out = Path(drafter_dir), Path(out)
     if not (drafter_dir / "config.json").is_file():
         raise BadInput(f"{drafter_dir} holds no drafter (config.json): run `flashdraft train` first")
-    if (drafter_dir / MANIFEST).exists():
-        require_verified(drafter_dir, "drafter", "re-export it (rerun `flashdraft train`) or pull it again")
-    else:
-        log(f"eval: {drafter_dir} has no manifest (a drafter from elsewhere): its files are not verified")
     prompts = load_prompts(cfg.prompts).prompts[: cfg.max_prompts]
     if not prompts:
         raise BadInput(f"no usable prompts in {cfg.prompts}: nothing to measure τ on")
@@ -74,6 +70,10 @@ def run(
     log(decision.line("eval", out))
     if decision.done:
         return read_manifest(out).stats
+    if (drafter_dir / MANIFEST).exists():  # re-hashed only now that it is about to be used
+        require_verified(drafter_dir, "drafter", "re-export it (rerun `flashdraft train`) or pull it again")
+    else:
+        log(f"eval: {drafter_dir} has no manifest (a drafter from elsewhere): its files are not verified")
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     target = Target(target_path, device, log)

@@ -89,7 +89,6 @@ def run(
     say = log if where.rank == 0 else (lambda s: None)
     if not (data / MANIFEST).is_file():
         raise BadTrainingInput(f"{data} is not a verified dataset (no manifest): run `flashdraft tokenize` first")
-    dataset_manifest = require_verified(data, "dataset", "re-run `flashdraft tokenize`, or pull it again")
     from flashdraft.model.resolve import resolve_model
 
     target_path = resolve_model(cfg.target, log=say)
@@ -109,6 +108,8 @@ def run(
             shipper.drafter(drafter_dir)
             shipper.wait()
         return read_manifest(drafter_dir).stats
+    # The input is re-hashed only when it is about to be used, not on an "already done" rerun.
+    dataset_manifest = require_verified(data, "dataset", "re-run `flashdraft tokenize`, or pull it again")
     resume = latest_checkpoint(out, lineage, say)
     if cfg.push_to:  # the store may hold a newer checkpoint of this run (this machine replaces a dead one)
         first_on_node = int(os.environ.get("LOCAL_RANK", 0)) == 0  # each node pulls onto its own disk
