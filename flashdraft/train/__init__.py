@@ -124,8 +124,8 @@ def run(
     if require_checkpoint and resume is None:
         raise BadTrainingInput(f"--resume: {out} has no complete checkpoint of this run to resume from")
 
+    check_tokenizer(dataset_manifest.stats.get("tokenizer_vocab"), target_path)  # before any compute
     s = setup(cfg, data, out, target_path, where, console, say)
-    check_tokenizer(dataset_manifest.stats.get("tokenizer_vocab"), target_path)
     position = {"step": 0, "epoch": 0, "batch": 0}
     if resume is not None:
         position = load_checkpoint(resume, s.drafter, s.optimizer, s.scheduler)
