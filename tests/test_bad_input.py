@@ -440,3 +440,18 @@ def test_a_write_the_disk_refuses_is_one_line_and_leaves_no_manifest(tmp_path, t
                           capture_output=True, text=True, preexec_fn=small_files)
     failed_cleanly(proc, "File too large")
     assert not (out / MANIFEST).exists()
+
+
+def test_one_conversation_goes_through_every_stage(cli, tmp_path, tiny_model_dir):
+    """The smallest input is valid input: one prompt → one record → one sample → a trained drafter → a report."""
+    src = write_prompts(tmp_path / "p.jsonl", [json.dumps({"prompt": "Describe the sea in one long sentence."})])
+    config = write_config(tmp_path, workdir=str(tmp_path / "work"),
+                          generate={"prompts": src, "model": tiny_model_dir, "max_new_tokens": 24},
+                          tokenize={"tokenizer": tiny_model_dir, "min_loss_fraction": 0.05, "workers": 1},
+                          train={"target": tiny_model_dir, "num_layers": 1, "block_size": 8, "epochs": 1},
+                          eval={"target": tiny_model_dir, "prompts": src, "max_new_tokens": 8})
+    cli("run", str(config), check=True)
+    work = tmp_path / "work"
+    assert read_manifest(work / "dataset").stats["samples"] == 1
+    assert read_manifest(work / "train" / "drafter").stats["steps"] == 1
+    assert read_manifest(work / "eval").stats["lossless"] is True

@@ -41,11 +41,9 @@ from flashdraft.artifact.manifest import (
 )
 from flashdraft.config import TokenizeConfig
 from flashdraft.errors import ExpectedFailure
-from flashdraft.model.resolve import vocab_fingerprint
 from flashdraft.progress import progress
 from flashdraft.tokenize.offsets import longest_run
 from flashdraft.tokenize.records import all_records, expand_inputs
-from flashdraft.tokenize.render import Renderer
 from flashdraft.tokenize.shards import ShardWriter
 from flashdraft.tokenize.workers import CHUNK, ChunkResult, init_pool_worker, init_worker, no_cyclic_gc, process_chunk
 
@@ -113,6 +111,7 @@ def run(
         try:
             for chunk in results:
                 duplicates += drop_seen(chunk, seen_ids, cfg.block_size)
+                totals.tokenizer_vocab = chunk.tokenizer_vocab
                 writer.add(chunk.rows)
                 totals.rejected.extend(chunk.rejected)
                 totals.add_counts(chunk)
@@ -147,7 +146,7 @@ def run(
             if n
         },
         "input_kind": "completions" if from_generate else "conversations",
-        "tokenizer_vocab": vocab_fingerprint(Renderer.load(tokenizer_path).tokenizer),
+        "tokenizer_vocab": totals.tokenizer_vocab or None,
     }
     atomic_write_text(out / "rejected.jsonl", "".join(json.dumps(r) + "\n" for r in totals.rejected))
     shards = writer.finish(lineage.config)

@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 
 from flashdraft.config import TokenizeConfig
+from flashdraft.model.resolve import vocab_fingerprint
 from flashdraft.records import BadRecord
 from flashdraft.tokenize.offsets import encode, longest_run, mask_from_spans, prompt_tail
 from flashdraft.tokenize.records import Item, conversation
@@ -45,6 +46,7 @@ class ChunkResult:
     # Stats of the rows, summed in the worker so the parent process only collects and writes
     loss_tokens: int = 0
     anchor_valid: int = 0
+    tokenizer_vocab: str = ""  # the tokenizer's vocabulary fingerprint, computed once per worker
 
     def add_counts(self, other: ChunkResult) -> None:
         """Add `other`'s counters (every int field) to this one's."""
@@ -60,7 +62,8 @@ _worker: dict[str, Any] = {}
 
 def init_worker(tokenizer_path: str, cfg: TokenizeConfig, from_generate: bool) -> None:
     os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one process per core; no nested thread pools
-    _worker.update(renderer=Renderer.load(tokenizer_path), cfg=cfg, from_generate=from_generate)
+    renderer = Renderer.load(tokenizer_path)
+    _worker.update(renderer=renderer, cfg=cfg, from_generate=from_generate, vocab=vocab_fingerprint(renderer.tokenizer))
 
 
 def init_pool_worker(tokenizer_path: str, cfg: TokenizeConfig, from_generate: bool) -> None:
@@ -88,7 +91,7 @@ def process_chunk(items: list[Item]) -> ChunkResult:
     cfg: TokenizeConfig = _worker["cfg"]
     from_generate: bool = _worker["from_generate"]
     backend = renderer.tokenizer.backend_tokenizer
-    result = ChunkResult()
+    result = ChunkResult(tokenizer_vocab=_worker["vocab"])
 
     prepared = []
     for source, line, raw in items:
