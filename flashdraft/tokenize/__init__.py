@@ -115,7 +115,7 @@ def run(
                 writer.add(chunk.rows)
                 totals.rejected.extend(chunk.rejected)
                 totals.add_counts(chunk)
-                chunk_lengths = [len(ids) for _, ids, _ in chunk.rows]
+                chunk_lengths = [len(row.input_ids) for row in chunk.rows]
                 lengths.extend(chunk_lengths)
                 seen_tokens += sum(chunk_lengths)
                 update(advance=len(chunk.rows) + len(chunk.rejected), tokens=seen_tokens)
@@ -166,11 +166,11 @@ def drop_seen(chunk: ChunkResult, seen_ids: set[str], block_size: int) -> int:
     right; returns how many were dropped."""
     kept = []
     for row in chunk.rows:
-        if row[0] in seen_ids:
-            chunk.loss_tokens -= int(row[2].sum(dtype=np.int64))
-            chunk.anchor_valid -= longest_run(row[2]) >= block_size
+        if row.id in seen_ids:
+            chunk.loss_tokens -= int(row.loss_mask.sum(dtype=np.int64))
+            chunk.anchor_valid -= longest_run(row.loss_mask) >= block_size
             continue
-        seen_ids.add(row[0])
+        seen_ids.add(row.id)
         kept.append(row)
     dropped, chunk.rows = len(chunk.rows) - len(kept), kept
     return dropped

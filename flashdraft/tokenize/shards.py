@@ -5,11 +5,19 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
 from flashdraft.artifact.atomic import atomic_open, atomic_write_text
+
+
+class Row(NamedTuple):
+    """One training sample as the shards hold it."""
+
+    id: str
+    input_ids: np.ndarray  # int32
+    loss_mask: np.ndarray  # uint8
 
 
 def _value(dtype: str) -> dict[str, str]:
@@ -44,22 +52,22 @@ class ShardWriter:
         self.shard_files: list[str] = []
         self.shard_stats: list[dict[str, Any]] = []
 
-    def add(self, rows: list[tuple[str, np.ndarray, np.ndarray]]) -> None:
+    def add(self, rows: list[Row]) -> None:
         self.pending.extend(rows)
         while len(self.pending) >= self.rows_per_shard:
             self._flush(self.pending[: self.rows_per_shard])
             self.pending = self.pending[self.rows_per_shard :]
 
-    def _flush(self, rows: list[tuple[str, np.ndarray, np.ndarray]]) -> None:
+    def _flush(self, rows: list[Row]) -> None:
         import pyarrow as pa
 
-        lengths = np.array([len(ids) for _, ids, _ in rows], dtype=np.int32)
+        lengths = np.array([len(r.input_ids) for r in rows], dtype=np.int32)
         offsets = np.concatenate(([0], np.cumsum(lengths))).astype(np.int32)
-        all_ids = np.concatenate([ids for _, ids, _ in rows]) if rows else np.zeros(0, np.int32)
-        all_mask = np.concatenate([m for _, _, m in rows]) if rows else np.zeros(0, np.uint8)
+        all_ids = np.concatenate([r.input_ids for r in rows]) if rows else np.zeros(0, np.int32)
+        all_mask = np.concatenate([r.loss_mask for r in rows]) if rows else np.zeros(0, np.uint8)
         table = pa.Table.from_arrays(
             [
-                pa.array([r[0] for r in rows], pa.string()),
+                pa.array([r.id for r in rows], pa.string()),
                 pa.ListArray.from_arrays(pa.array(offsets), pa.array(all_ids, pa.int32())),
                 pa.ListArray.from_arrays(pa.array(offsets), pa.array(all_mask, pa.uint8())),
                 pa.array(lengths, pa.int32()),

@@ -20,6 +20,7 @@ from flashdraft.records import BadRecord
 from flashdraft.tokenize.offsets import encode, longest_run, mask_from_spans, prompt_tail
 from flashdraft.tokenize.records import Item, conversation
 from flashdraft.tokenize.render import Renderer
+from flashdraft.tokenize.shards import Row
 
 
 @dataclass(frozen=True)
@@ -37,7 +38,7 @@ class Prepared:
 
 @dataclass
 class ChunkResult:
-    rows: list[tuple[str, np.ndarray, np.ndarray]] = field(default_factory=list)
+    rows: list[Row] = field(default_factory=list)
     rejected: list[dict[str, Any]] = field(default_factory=list)
     truncated: int = 0
     prompt_mismatches: int = 0
@@ -127,7 +128,7 @@ def process_chunk(items: list[Item]) -> ChunkResult:
         if not supervised:
             result.rejected.append({"file": p.source, "line": p.line, "reason": "no supervised tokens left"})
             continue
-        result.rows.append((p.id, ids, mask))
+        result.rows.append(Row(p.id, ids, mask))
         result.loss_tokens += supervised
         result.anchor_valid += longest_run(mask) >= cfg.block_size
     return result
