@@ -253,6 +253,32 @@ def evaluate(
         emit_json({"path": str(out), **stats})
 
 
+class ExportFormat(StrEnum):
+    speculators = "speculators"
+
+
+@app.command()
+def export(
+    drafter: Annotated[Path | None, typer.Option(help="An exported (z-lab format) drafter directory.")] = None,
+    target: Annotated[str | None, typer.Option(help="The target REF the drafter was trained for.")] = None,
+    format: Annotated[ExportFormat, typer.Option("--format", help="speculators: vLLM's speculators checkpoint.")] = (
+        ExportFormat.speculators),
+    out: Annotated[Path | None, typer.Option(help="Output directory (default: WORKDIR/train/drafter-FORMAT).")] = None,
+    config: ConfigFlag = None,
+    json_out: JsonFlag = False,
+) -> None:
+    """Write a trained drafter in another serving format (train already writes the z-lab DFlash format that
+    SGLang and vLLM load directly)."""
+    from flashdraft.model.speculators import export_speculators
+
+    cfg = load_config(config, {})
+    drafter = drafter or stage_dir(cfg.workdir, "train")
+    out = out or train_dir(cfg.workdir) / f"{DRAFTER}-{format.value}"
+    stats = export_speculators(drafter, target or cfg.train.target, out, log=human(json_out).print)
+    if json_out:
+        emit_json({"path": str(out), **stats})
+
+
 # ---------------------------------------------------------------------------------------------- artifacts
 
 

@@ -1,7 +1,8 @@
 """Export and load drafters in the z-lab DFlash format that SGLang (`--speculative-algorithm DFLASH`) and vLLM
 (`method: dflash`) load: `config.json` (Qwen3-shaped draft architecture, `architectures: [DFlashDraftModel]`,
 `block_size`, `num_target_layers`, `dflash_config.{mask_token_id, target_layer_ids}`) + `model.safetensors`
-(fc, hidden_norm, layers.*, norm — the embedding and LM head are the target's).
+(fc, hidden_norm, layers.*, norm — the embedding and LM head are the target's) + `modeling_dflash.py`, which
+`auto_map` names, so `AutoModel.from_pretrained(dir, trust_remote_code=True)` gives the drafter as trained.
 
     from flashdraft.model.export import save_drafter, load_drafter
 """
@@ -9,6 +10,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +25,7 @@ from flashdraft.errors import BadInput
 from flashdraft.model.drafter import DFlashDrafter
 
 REQUIRED = ("block_size", "num_target_layers", "dflash_config")
+MODELING_FILE = Path(__file__).with_name("modeling_dflash.py")  # self-contained: torch + transformers only
 
 
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
@@ -36,14 +39,14 @@ def export_config(drafter: DFlashDrafter, dtype: str = "bfloat16") -> dict[str, 
     config = drafter.config.to_dict()
     rope = dict(config.get("rope_parameters") or {})
     config["architectures"] = ["DFlashDraftModel"]
+    config["auto_map"] = {"AutoModel": f"{MODELING_FILE.stem}.DFlashDraftModel"}
     config["rope_theta"] = rope.get("rope_theta", 10_000.0)
     if rope.get("rope_type", "default") != "default":
         config["rope_scaling"] = {k: v for k, v in rope.items() if k != "rope_theta"}
     config["dtype"] = config["torch_dtype"] = dtype
-    if "sliding_attention" in drafter.layer_types:
-        # vLLM treats a `sliding_attention` draft layer as causal unless told otherwise (its
-        # `_resolve_layer_attention`); flashdraft's blocks attend bidirectionally in every layer.
-        config["dflash_config"] = {**config["dflash_config"], "causal": False}
+    # No causality flag: a `sliding_attention` layer is causal within the block and a `full_attention` one is
+    # not — the default of the z-lab reference and vLLM (`is_causal` / `dflash_config.causal` would override
+    # every layer at once) and what SGLang always does; training masks the same way (objective.py).
     return config
 
 
@@ -63,6 +66,7 @@ def save_drafter(drafter: DFlashDrafter, out: Path, stats: dict[str, Any] | None
         state["lm_head.weight"] = drafter.head_weight(target_lm_head)
     with commit_dir(out, "drafter", stats=stats, lineage=lineage) as tmp:
         atomic_write_text(tmp / "config.json", json.dumps(config, indent=2, sort_keys=True))
+        shutil.copyfile(MODELING_FILE, tmp / MODELING_FILE.name)
         state = {k: (v.to(DTYPES[dtype]) if v.is_floating_point() else v).detach().to("cpu").contiguous()
                  for k, v in state.items()}
         save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
@@ -78,7 +82,8 @@ def load_drafter(path: str | Path, device: str | torch.device = "cpu", dtype=tor
         raise BadInput(f"{path}/config.json is not a DFlash drafter config: missing {', '.join(missing)}")
     # transformers 4.x-style configs (top-level rope_theta, no rope_parameters) read the same way: 5.x folds
     # rope_theta into rope_parameters.
-    config = Qwen3Config(**{k: v for k, v in raw.items() if k not in ("architectures", "model_type", "torch_dtype")})
+    skip = ("architectures", "model_type", "torch_dtype", "auto_map")
+    config = Qwen3Config(**{k: v for k, v in raw.items() if k not in skip})
     config.architectures = raw.get("architectures", ["DFlashDraftModel"])
     config.block_size, config.num_target_layers = raw["block_size"], raw["num_target_layers"]
     config.dflash_config = raw["dflash_config"]

@@ -3,7 +3,8 @@
 For a sequence of T tokens and N anchors a_1 < … < a_N, block n is [token a_n, MASK × (K−1)] at positions
 a_n … a_n+K−1. Block position k (1 ≤ k < K) predicts the token AT a_n + k (same position, no shift; the
 anchor itself is not in the loss). Block n sees context features at positions < a_n, its own K positions in
-both directions, and no other block — so every block of a sequence trains in one forward pass.
+both directions (in a sliding-window layer only up to itself), and no other block — so every block of a
+sequence trains in one forward pass.
 
 Shape legend: T tokens, N anchors, K block size, S = N·K block positions, C context positions (= T).
 """
@@ -49,7 +50,10 @@ def block_attention_mask(anchors_N: torch.Tensor, block_size: int, context_len: 
                          window: int | None = None) -> torch.Tensor:
     """allowed_SX (bool): block position s may attend key x, keys = [context 0..C−1, block positions 0..S−1].
     With `window` (a sliding-window draft layer), a block position at absolute position p sees context position
-    c only if p − c < window, as a causal sliding window counts; its own block stays fully visible."""
+    c only if p − c < window, and only the positions of its own block up to itself: sliding draft layers are
+    causal. That is the convention every reader of the format shares — the z-lab reference model, vLLM's
+    loader by default and SGLang's only behaviour (a `sliding_attention` draft layer is a decoder layer) — so
+    no engine-specific flag is needed for them to compute what training computed."""
     n = anchors_N.shape[0]
     block_of = torch.arange(n).repeat_interleave(block_size)  # S
     anchor_of = anchors_N.cpu()[block_of]  # S
@@ -59,6 +63,9 @@ def block_attention_mask(anchors_N: torch.Tensor, block_size: int, context_len: 
         position_of = anchor_of + torch.arange(n * block_size) % block_size  # S: absolute position
         sees_context &= position_of[:, None] - context < window
     sees_block = block_of[:, None] == block_of[None, :]  # S × S: own block, both directions
+    if window is not None:
+        offset = torch.arange(n * block_size) % block_size
+        sees_block &= offset[None, :] <= offset[:, None]  # sliding layers: causal within the block
     return torch.cat([sees_context, sees_block], dim=1)
 
 
@@ -69,12 +76,15 @@ def flex_block_mask(anchors_N: torch.Tensor, block_size: int, context_len: int, 
 
     anchors = anchors_N.to(device)
     reach = window if window is not None else 1 << 30  # no window: every earlier position is in reach
+    causal = window is not None  # sliding layers are causal within the block (see block_attention_mask)
 
     def allowed(b, h, q, kv):
         block = q // block_size
         position = anchors[block] + q % block_size
         sees_context = (kv < context_len) & (kv < anchors[block]) & (position - kv < reach)
         sees_block = (kv >= context_len) & ((kv - context_len) // block_size == block)
+        if causal:
+            sees_block &= (kv - context_len) % block_size <= q % block_size
         return sees_context | sees_block
 
     s = anchors.shape[0] * block_size

@@ -10,6 +10,7 @@ from safetensors.torch import load_file
 from flashdraft.artifact.manifest import read_manifest
 from flashdraft.model.drafter import DFlashDrafter, draft_config
 from flashdraft.model.export import load_drafter, save_drafter
+from flashdraft.model.objective import block_masks
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
@@ -72,7 +73,8 @@ def test_an_architecture_without_decoder_layers_is_named(tmp_path):
 @pytest.mark.slow
 def test_transformers_4_57_reads_the_trained_theta(tmp_path, tiny_target):
     """The z-lab reference pins transformers 4.57: in a throwaway venv with it (reusing this torch through a
-    .pth file), the exported config.json gives the RoPE base, shapes and DFlash fields training used."""
+    .pth file), the exported config.json gives the RoPE base, shapes and DFlash fields training used, and the
+    shipped modeling file (`trust_remote_code`) computes there what flashdraft's drafter computes here."""
     import subprocess
     import sys
     import sysconfig
@@ -82,8 +84,16 @@ def test_transformers_4_57_reads_the_trained_theta(tmp_path, tiny_target):
     target = AutoConfig.from_pretrained(tiny_target)
     target.rope_parameters = {"rope_type": "default", "rope_theta": 1_000_000.0}
     drafter = DFlashDrafter(draft_config(target, num_layers=2, block_size=8, mask_token_id=127, sliding_window=32))
+    with torch.no_grad():
+        for p in drafter.parameters():
+            p.add_(torch.randn_like(p) * 0.1)
     save_drafter(drafter, tmp_path / "drafter")
     trained = drafter.rotary_emb.inv_freq
+    context, k = 40, 8  # longer than the window: the sliding layer's window is exercised
+    torch.manual_seed(1)
+    block = torch.randn(1, k, target.hidden_size)
+    features = torch.randn(1, context, 2 * target.hidden_size)
+    torch.save({"block": block, "features": features}, tmp_path / "inputs.pt")
 
     venv = tmp_path / "tf457"
     subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
@@ -102,10 +112,25 @@ c = Qwen3Config.from_pretrained({str(tmp_path / 'drafter')!r})
 print(json.dumps({{"theta": c.rope_theta, "inv_freq": Qwen3RotaryEmbedding(c).inv_freq.tolist(),
                   "block_size": c.block_size, "dflash": c.dflash_config, "layer_types": c.layer_types,
                   "sliding_window": c.sliding_window, "head_dim": c.head_dim, "dtype": str(c.torch_dtype)}}))
+model = transformers.AutoModel.from_pretrained({str(tmp_path / 'drafter')!r}, trust_remote_code=True,
+                                               torch_dtype=torch.float32)
+x = torch.load({str(tmp_path / 'inputs.pt')!r})
+with torch.no_grad():
+    hidden = model(position_ids=torch.arange({context + k})[None], noise_embedding=x["block"],
+                   target_hidden=x["features"])
+torch.save(hidden, {str(tmp_path / 'hidden.pt')!r})
 """
-    out = json.loads(subprocess.run([str(python), "-c", check], check=True, capture_output=True, text=True).stdout)
+    run = subprocess.run([str(python), "-c", check], capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr[-3000:]
+    out = json.loads(run.stdout.splitlines()[0])
     assert out["theta"] == 1_000_000.0 and torch.allclose(torch.tensor(out["inv_freq"]), trained.float())
     assert out["block_size"] == 8
-    assert out["dflash"] == {"mask_token_id": 127, "target_layer_ids": [1, 3], "causal": False}
+    assert out["dflash"] == {"mask_token_id": 127, "target_layer_ids": [1, 3]}
     assert out["layer_types"] == ["sliding_attention", "full_attention"] and out["sliding_window"] == 32
     assert out["head_dim"] == 16 and out["dtype"] == "torch.bfloat16"
+
+    exported = load_drafter(tmp_path / "drafter")  # the bf16 weights as flashdraft reads them, in fp32
+    masks = block_masks(torch.tensor([context]), k, context, exported.sliding_window, "cpu")
+    with torch.no_grad():
+        ours = exported(block, features, torch.arange(context, context + k)[None], torch.arange(context)[None], masks)
+    assert torch.allclose(torch.load(tmp_path / "hidden.pt"), ours, atol=1e-5)

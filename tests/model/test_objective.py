@@ -67,7 +67,7 @@ def test_flex_attention_block_mask_matches_the_dense_mask(tiny_target):
     assert not torch.allclose(dense, dense_window, atol=1e-3)  # the window does restrict what is seen
 
 
-def test_a_sliding_window_block_sees_only_recent_context_and_its_own_block():
+def test_a_sliding_window_block_sees_only_recent_context_and_its_own_block_causally():
     anchors, k, context, window = torch.tensor([5, 20, 33]), 4, 34, 8
     allowed = block_attention_mask(anchors, k, context, window=window)
     for s in range(len(anchors) * k):
@@ -76,8 +76,10 @@ def test_a_sliding_window_block_sees_only_recent_context_and_its_own_block():
         for c in range(context):
             assert bool(allowed[s, c]) == (c < anchors[block] and position - c < window), (s, c)
         own = torch.zeros(len(anchors) * k, dtype=torch.bool)
-        own[block * k : (block + 1) * k] = True
+        own[block * k : s + 1] = True  # its own block, up to itself
         assert torch.equal(allowed[s, context:], own)
+    full = block_attention_mask(anchors, k, context)
+    assert bool(full[0, context + k - 1])  # a full-attention layer's block is bidirectional
 
 
 def test_sliding_window_layers_export_as_the_standard_fields(tmp_path):
@@ -93,7 +95,9 @@ def test_sliding_window_layers_export_as_the_standard_fields(tmp_path):
     save_drafter(drafter, tmp_path / "d")
     raw = __import__("json").loads((tmp_path / "d" / "config.json").read_text())
     assert raw["layer_types"] == drafter.layer_types and raw["sliding_window"] == 64 and raw["use_sliding_window"]
-    assert raw["dflash_config"]["causal"] is False  # else vLLM runs sliding draft layers causally
+    # No causality override: sliding layers causal and full layers not is every engine's default, and either
+    # flag (vLLM's `is_causal`, `dflash_config.causal`) would apply to all layers at once.
+    assert "is_causal" not in raw and "causal" not in raw["dflash_config"]
     assert load_drafter(tmp_path / "d").sliding_window == 64
     with pytest.raises(BadInput, match="smaller than the block size"):
         draft_config(target, num_layers=3, block_size=8, mask_token_id=127, sliding_window=4)

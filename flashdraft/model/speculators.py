@@ -1,0 +1,61 @@
+"""Export a drafter in vLLM `speculators` format: a self-contained checkpoint (its `speculators_config` names
+the verifier; embedding and LM head copied in) that `vllm serve DIR` and speculators' own classes load.
+
+    flashdraft export --drafter work/train/drafter --target Qwen/Qwen3-8B --format speculators --out work/spec
+
+The conversion is the speculators package's own DFlash converter (`speculators.convert.dflash`), run on
+flashdraft's z-lab-format export: that package is the judge of its format, so flashdraft does not re-implement
+it. speculators is not a flashdraft dependency (0.9 pins transformers ≤ 5.19): without it, one line says how
+to get it. What flashdraft adds is what every stage has: the source must verify, the output is committed
+with a manifest (its lineage names the source drafter), a rerun of a done export says so.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from flashdraft.artifact.manifest import (
+    Lineage,
+    check_done,
+    commit_dir,
+    identity,
+    read_manifest,
+    require_verified,
+    sha256_json,
+)
+from flashdraft.errors import BadInput, ExpectedFailure
+
+
+def export_speculators(drafter_dir: Path, target_ref: str, out: Path, log: Callable[[str], None] = print
+                       ) -> dict[str, Any]:
+    from flashdraft.model.resolve import resolve_model
+
+    drafter_dir, out = Path(drafter_dir), Path(out)
+    if not (drafter_dir / "config.json").is_file():
+        raise BadInput(f"{drafter_dir} holds no drafter (config.json): run `flashdraft train` first")
+    if json.loads((drafter_dir / "config.json").read_text()).get("draft_vocab_size"):
+        raise BadInput("a reduced-vocabulary drafter cannot be written in speculators format: its DFlash converter "
+                       "keeps the full vocabulary and drops d2t. Serve the z-lab export with vLLM (it reads d2t), "
+                       "or train with the full vocabulary")
+    try:
+        from speculators.convert.dflash import DFlashConverter
+    except ImportError:
+        raise ExpectedFailure("the speculators format is written by the speculators package's own converter: "
+                              "`pip install speculators` (0.9 needs transformers 5.0–5.19) and rerun") from None
+    target = resolve_model(target_ref, log=log)
+    lineage = Lineage(inputs=[identity(drafter_dir)], config=sha256_json({"format": "speculators", "target": target}))
+    decision = check_done(out, lineage)
+    log(decision.line("export", out))
+    if decision.done:
+        return read_manifest(out).stats
+    require_verified(drafter_dir, "drafter", "re-export it (rerun `flashdraft train`) or pull it again")
+    stats = {"format": "speculators", "verifier": target}
+    with commit_dir(out, "drafter", stats=stats, lineage=lineage) as tmp:
+        # The converter loads the verifier's embedding and LM head into the checkpoint, then reloads the result
+        # with speculators' DFlashDraftModel (validate=True) before flashdraft commits it.
+        DFlashConverter().convert(drafter_dir, tmp, base_model=target, validate=True)
+    log(f"export: speculators checkpoint written and verified at {out}")
+    return stats

@@ -1,0 +1,112 @@
+"""`flashdraft export --format speculators`: vLLM's speculators package reads the result as trained."""
+
+import json
+import subprocess
+import sys
+import sysconfig
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from transformers import AutoConfig
+
+from flashdraft.model.drafter import DFlashDrafter, draft_config
+from flashdraft.model.export import save_drafter
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def trained_drafter(target: str, out: Path, **kwargs) -> DFlashDrafter:
+    torch.manual_seed(0)
+    drafter = DFlashDrafter(draft_config(AutoConfig.from_pretrained(target), num_layers=2, block_size=8,
+                                         mask_token_id=127, **kwargs))
+    with torch.no_grad():
+        for p in drafter.parameters():
+            p.add_(torch.randn_like(p) * 0.1)
+    save_drafter(drafter, out)
+    return drafter
+
+
+def test_without_the_speculators_package_one_line_says_how_to_get_it(tmp_path, tiny_target):
+    try:
+        import speculators  # noqa: F401
+        pytest.skip("speculators is installed here")
+    except ImportError:
+        pass
+    trained_drafter(tiny_target, tmp_path / "d")
+    run = subprocess.run([sys.executable, "-m", "flashdraft", "export", "--drafter", str(tmp_path / "d"),
+                          "--target", tiny_target, "--out", str(tmp_path / "spec")], capture_output=True, text=True)
+    assert run.returncode == 1 and "Traceback" not in run.stderr
+    assert "pip install speculators" in run.stderr and not (tmp_path / "spec").exists()
+
+
+def test_a_reduced_vocabulary_drafter_is_refused_with_the_reason(tmp_path, tiny_target):
+    from flashdraft.errors import BadInput
+    from flashdraft.model.speculators import export_speculators
+
+    torch.manual_seed(0)
+    drafter = DFlashDrafter(draft_config(AutoConfig.from_pretrained(tiny_target), num_layers=2, block_size=8,
+                                         mask_token_id=127, draft_vocab_size=32))
+    drafter.set_draft_vocab(torch.arange(32))
+    save_drafter(drafter, tmp_path / "d", target_lm_head=torch.randn(128, 64))
+    with pytest.raises(BadInput, match="keeps the full vocabulary and drops d2t"):
+        export_speculators(tmp_path / "d", tiny_target, tmp_path / "spec")
+
+
+@pytest.mark.slow
+def test_speculators_reads_the_export_as_trained(tmp_path, tiny_target):
+    """In a throwaway venv with speculators 0.9 and the transformers it pins (this torch reused through a .pth):
+    flashdraft's export command writes the checkpoint through speculators' own converter, and speculators'
+    DFlashDraftModel loads it with flashdraft's weights, layer ids, block size, mask token and attention layout."""
+    drafter = trained_drafter(tiny_target, tmp_path / "d", sliding_window=32)
+
+    venv = tmp_path / "spec-venv"
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+    python = str(venv / "bin" / "python")
+    pip = [python, "-m", "pip", "install", "--quiet", "--disable-pip-version-check"]
+    subprocess.run([*pip, "transformers==5.19.0", "loguru", "pydantic-settings"], check=True)
+    # --no-deps: its torchvision/torchaudio requirements would pull a multi-GB CUDA torch; it needs neither.
+    subprocess.run([*pip, "--no-deps", "speculators==0.9.0", "hs-connectors==0.9.0"], check=True)
+    site = subprocess.run([python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                          check=True, capture_output=True, text=True).stdout.strip()
+    (Path(site) / "reuse.pth").write_text(f"{REPO}\n{sysconfig.get_paths()['purelib']}\n")  # after its own
+
+    export = [python, "-m", "flashdraft", "export", "--format", "speculators", "--drafter", str(tmp_path / "d"),
+              "--target", tiny_target, "--out", str(tmp_path / "spec")]
+    first = subprocess.run(export, capture_output=True, text=True)
+    assert first.returncode == 0, first.stderr[-3000:]
+    again = subprocess.run(export, capture_output=True, text=True)
+    assert again.returncode == 0 and "already done, verified" in again.stdout + again.stderr
+
+    check = f"""
+import json, torch, transformers
+from speculators.models.dflash import DFlashDraftModel
+assert transformers.__version__ == "5.19.0"
+m = DFlashDraftModel.from_pretrained({str(tmp_path / 'spec')!r})
+c = m.config
+torch.save({{k: v.float() for k, v in m.state_dict().items()}}, {str(tmp_path / 'state.pt')!r})
+print(json.dumps({{"aux": c.aux_hidden_state_layer_ids, "block_size": c.block_size, "mask": c.mask_token_id,
+                  "non_causal": c.sliding_window_non_causal, "layer_types": c.transformer_layer_config.layer_types,
+                  "window": c.transformer_layer_config.sliding_window,
+                  "theta": c.transformer_layer_config.rope_parameters["rope_theta"],
+                  "verifier": c.speculators_config.verifier.name_or_path}}))
+"""
+    run = subprocess.run([python, "-c", check], capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr[-3000:]
+    out = json.loads(run.stdout.strip().splitlines()[-1])
+    # speculators counts hidden states with the embedding as 0 (z-lab's layer id + 1)
+    assert out["aux"] == [i + 1 for i in drafter.target_layer_ids]
+    assert out["block_size"] == 8 and out["mask"] == 127 and out["verifier"] == tiny_target
+    # speculators' default: sliding layers causal within the block, as flashdraft trains them
+    assert out["non_causal"] is False
+    assert out["layer_types"] == ["sliding_attention", "full_attention"] and out["window"] == 32
+    assert out["theta"] == drafter.config.rope_parameters["rope_theta"]
+
+    theirs = torch.load(tmp_path / "state.pt")
+    ours = {k: v.to(torch.bfloat16).float() for k, v in drafter.state_dict().items()}  # exported in bf16
+    for name in ("fc.weight", "hidden_norm.weight", "norm.weight", "layers.1.self_attn.k_norm.weight",
+                 "layers.0.mlp.down_proj.weight"):
+        assert torch.equal(theirs[name], ours[name]), name
+    embed = load_file(str(Path(tiny_target) / "model.safetensors"))["model.embed_tokens.weight"]
+    assert torch.equal(theirs["embed_tokens.weight"], embed.to(torch.bfloat16).float())  # the verifier's, in bf16
