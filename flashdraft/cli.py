@@ -113,7 +113,12 @@ def generate(
     max_new_tokens: Annotated[int | None, typer.Option(help="Token budget per response.")] = None,
     batch_size: Annotated[int | None, typer.Option(help="Records per committed batch file.")] = None,
     temperature: Annotated[float | None, typer.Option(help="0 = greedy.")] = None,
-    thinking: Annotated[str | None, typer.Option(help="on | off: enable_thinking in the chat template.")] = None,
+    thinking: Annotated[str | None, typer.Option(
+        help="on | off | mixed: enable_thinking in the chat template; mixed draws each prompt's mode by its id "
+        "(generate.thinking_ratio on). A prompt record's own `thinking` wins.")] = None,
+    turns: Annotated[str | None, typer.Option(
+        help="final: regenerate the last assistant turn | all: every assistant turn, each from the regenerated "
+        "history.")] = None,
     shard_index: Annotated[int | None, typer.Option(help="This machine's slice of the prompts (0-based).")] = None,
     num_shards: Annotated[int | None, typer.Option(help="How many machines split the prompts.")] = None,
     upload_to: Annotated[
@@ -125,8 +130,10 @@ def generate(
     """Regenerate responses with the target model into committed batch files (resumable, shardable)."""
     from flashdraft import generate as stage
 
-    if thinking not in (None, "on", "off"):
-        fail("--thinking takes on or off")
+    if thinking not in (None, "on", "off", "mixed"):
+        fail("--thinking takes on, off or mixed")
+    if turns not in (None, "final", "all"):
+        fail("--turns takes final or all")
     overrides = {
         "generate.prompts": str(prompts) if prompts else None,
         "generate.backend": backend,
@@ -135,7 +142,8 @@ def generate(
         "generate.max_new_tokens": max_new_tokens,
         "generate.batch_size": batch_size,
         "generate.temperature": temperature,
-        "generate.thinking": None if thinking is None else thinking == "on",
+        "generate.thinking": {"on": True, "off": False}.get(thinking, thinking),
+        "generate.turns": turns,
         "generate.shard_index": shard_index,
         "generate.num_shards": num_shards,
     }

@@ -41,7 +41,13 @@ class GenerateConfig(Section):
     max_new_tokens: Positive = 256
     batch_size: Positive = 64  # records per committed batch file
     temperature: NonNegativeFloat = 0.0
-    thinking: bool = False
+    # on/off for every prompt, or "mixed": each prompt's mode drawn by its id (thinking_ratio of them on), so a
+    # rerun or another shard draws the same. A prompt record's own boolean `thinking` wins over either.
+    thinking: bool | Literal["mixed"] = False
+    thinking_ratio: Fraction = 0.5
+    # "final": regenerate the last assistant turn (earlier ones keep the dataset's words); "all": every assistant
+    # turn, each from the history as regenerated so far — what the target would have said in the whole chat.
+    turns: Literal["final", "all"] = "final"
     shard_index: NonNegative = 0
     num_shards: Positive = 1
     concurrency: Positive = 64  # openai: requests in flight across all endpoints

@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -40,7 +41,16 @@ from flashdraft.artifact.manifest import (
 from flashdraft.config import GenerateConfig
 from flashdraft.errors import BadInput, ExpectedFailure
 from flashdraft.generate.backends import Completion, context_rejections, make_backend
-from flashdraft.generate.prompts import BUILTIN, Prompt, Rejected, builtin_prompts, in_shard, load_prompts
+from flashdraft.generate.prompts import (
+    BUILTIN,
+    Prompt,
+    Rejected,
+    builtin_prompts,
+    in_shard,
+    load_prompts,
+    thinking_for,
+)
+from flashdraft.generate.turns import regenerate
 from flashdraft.progress import progress
 
 CLAIM = ".flashdraft-generate.json"  # in-progress marker: which lineage the partial batches belong to
@@ -106,10 +116,14 @@ def claim_output(out: Path, lineage: Lineage) -> None:
     atomic_write_text(marker, lineage.model_dump_json())
 
 
-def to_record(prompt: Prompt, done: Completion, model: str, cfg: GenerateConfig) -> dict[str, Any]:
+def to_record(prompt: Prompt, history: list[dict[str, Any]], done: Completion, model: str,
+              cfg: GenerateConfig) -> dict[str, Any]:
+    """`messages`: the history the final completion answered (with `turns: all`, its assistant turns are the
+    target's own); `sampling.thinking`: this record's mode, which tokenize renders it in."""
     record = {
         "id": prompt.id,
-        "messages": prompt.messages,
+        "messages": history,
+        "turns": cfg.turns,
         "reasoning": done.reasoning,
         "content": done.content,
         "finish_reason": done.finish_reason,
@@ -118,7 +132,8 @@ def to_record(prompt: Prompt, done: Completion, model: str, cfg: GenerateConfig)
         "token_ids": done.token_ids,
         "stray_think_markers": done.stray_think_markers,
         "model": model,
-        "sampling": {"temperature": cfg.temperature, "max_new_tokens": cfg.max_new_tokens, "thinking": cfg.thinking},
+        "sampling": {"temperature": cfg.temperature, "max_new_tokens": cfg.max_new_tokens,
+                     "thinking": prompt.thinking},
     }
     if prompt.category:
         record["category"] = prompt.category
@@ -152,6 +167,7 @@ def run(
         raise BadInput(f"no prompts in {cfg.prompts}: {len(prompt_set.rejected)} line(s) rejected "
                        f"(reasons in {out / 'rejected.jsonl'}); nothing to generate")
     mine = [p for p in prompt_set.prompts if in_shard(p.id, cfg.shard_index, cfg.num_shards)][: cfg.max_prompts]
+    mine = [replace(p, thinking=thinking_for(p, cfg.thinking, cfg.thinking_ratio)) for p in mine]
     too_long = context_rejections(cfg, mine, log)
     prompt_set.rejected.extend(Rejected(None, too_long[p.id], id=p.id) for p in mine if p.id in too_long)
     mine = [p for p in mine if p.id not in too_long]
@@ -170,8 +186,9 @@ def run(
         total, tokens, started = sum(len(prompts) for prompts in todo.values()), 0, time.perf_counter()
         with progress(console, "generate {task.fields[tps]} tok/s", total=total, tps="–") as update:
             for k, prompts in todo.items():
-                completions = backend.complete(prompts, seed=cfg.seed + k)
-                commit_batch(out, k, batches[k], prompts, completions, backend.model_name, cfg)
+                answered = regenerate(backend, prompts, cfg.turns, seed=cfg.seed + k)
+                commit_batch(out, k, batches[k], prompts, answered, backend.model_name, cfg)
+                completions = [done for _, done in answered]
                 if store is not None:
                     _upload_now(store, out, [batch_name(k)])
                 tokens += sum(c.completion_tokens for c in completions if c.error is None)
@@ -180,7 +197,9 @@ def run(
     stats = _finalize(out, len(batches), prompt_set, lineage, cfg)
     log(
         f"generate: done, verified — {out}: {stats['records']} records, {stats['errors']} errors, "
-        f"{stats['rejected']} rejected, {stats['truncated']} truncated, {stats['completion_tokens']:,} tokens"
+        f"{stats['rejected']} rejected, {stats['truncated']} truncated, {stats['completion_tokens']:,} tokens; "
+        f"{stats['assistant_turns']} assistant turns regenerated; thinking on {stats['thinking_on']}, "
+        f"off {stats['thinking_off']}"
     )
     if store is not None:
         from flashdraft.artifact.sync import push
@@ -213,20 +232,20 @@ def uncommitted(out: Path, k: int, batch: list[Prompt]) -> list[Prompt]:
     return [p for p in batch if p.id not in done]
 
 
-def commit_batch(out: Path, k: int, batch: list[Prompt], prompts: list[Prompt], completions: list[Completion],
-                 model: str, cfg: GenerateConfig) -> None:
+def commit_batch(out: Path, k: int, batch: list[Prompt], prompts: list[Prompt],
+                 answered: list[tuple[list[dict[str, Any]], Completion]], model: str, cfg: GenerateConfig) -> None:
     """Commit batch k after `prompts` (all of it, or the ones that failed before) were answered.
 
     First time: the errors file is written before the batch file, whose presence means the whole batch is
     accounted for. A retry adds its successes to the batch file first, then rewrites (or removes) the errors
     file; a crash between leaves a record in both, and the batch file wins (see `_finalize`)."""
-    answered = {p.id: c for p, c in zip(prompts, completions, strict=True)}
     kept = read_batch(out, k) if (out / batch_name(k)).is_file() else []
-    new = {p.id: to_record(p, c, model, cfg) for p, c in zip(prompts, completions, strict=True) if c.error is None}
+    new = {p.id: to_record(p, history, c, model, cfg)
+           for p, (history, c) in zip(prompts, answered, strict=True) if c.error is None}
     by_id = {r["id"]: r for r in kept} | new
     records = [by_id[p.id] for p in batch if p.id in by_id]  # in prompt order, whatever was retried
-    failed = [{"id": p.id, "messages": p.messages, "reason": answered[p.id].error}
-              for p in prompts if answered[p.id].error is not None]
+    failed = [{"id": p.id, "messages": p.messages, "reason": c.error}
+              for p, (_, c) in zip(prompts, answered, strict=True) if c.error is not None]
     if not kept and failed:
         atomic_write_text(out / errors_name(k), jsonl(failed))
     atomic_write_text(out / batch_name(k), jsonl(records))
@@ -241,11 +260,15 @@ def _finalize(out: Path, num_batches: int, prompt_set, lineage: Lineage, cfg: Ge
     """Merge errors, write rejected lines, count from the committed files themselves, and commit the manifest
     unless more requests failed than `max_error_fraction` allows (then: no manifest, and a rerun retries)."""
     errors: list[str] = []
-    stats = {"records": 0, "truncated": 0, "completion_tokens": 0, "prompt_tokens": 0, "stray_think_markers": 0}
+    stats = {"records": 0, "truncated": 0, "completion_tokens": 0, "prompt_tokens": 0, "stray_think_markers": 0,
+             "thinking_on": 0, "thinking_off": 0, "assistant_turns": 0}
     for k in range(num_batches):
         records = read_batch(out, k)
         for record in records:
             stats["records"] += 1
+            stats["thinking_on" if record["sampling"]["thinking"] else "thinking_off"] += 1
+            regenerated = record.get("turns") == "all"
+            stats["assistant_turns"] += 1 + regenerated * sum(m["role"] == "assistant" for m in record["messages"])
             stats["truncated"] += record["finish_reason"] == "length"
             stats["completion_tokens"] += record["completion_tokens"]
             stats["prompt_tokens"] += record["prompt_tokens"]

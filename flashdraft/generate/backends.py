@@ -78,7 +78,7 @@ def context_rejections(cfg: GenerateConfig, prompts: list[Prompt], log=print) ->
     rejected = {}
     for prompt in prompts:
         text = tokenizer.apply_chat_template(prompt.messages, add_generation_prompt=True, tokenize=False,
-                                             enable_thinking=cfg.thinking)
+                                             enable_thinking=prompt.thinking)
         n = len(tokenizer(text, add_special_tokens=False)["input_ids"])
         if n + cfg.max_new_tokens > context:
             rejected[prompt.id] = (f"prompt is {n} tokens; with max_new_tokens {cfg.max_new_tokens} it exceeds the "
@@ -107,7 +107,7 @@ class HFBackend:
 
     def render(self, prompt: Prompt) -> str:
         return self.tokenizer.apply_chat_template(
-            prompt.messages, add_generation_prompt=True, tokenize=False, enable_thinking=self.cfg.thinking
+            prompt.messages, add_generation_prompt=True, tokenize=False, enable_thinking=prompt.thinking
         )
 
     def complete(self, prompts: list[Prompt], seed: int = 0) -> list[Completion]:
@@ -217,7 +217,7 @@ class OpenAIBackend:
                     max_tokens=self.cfg.max_new_tokens,
                     temperature=self.cfg.temperature,
                     seed=seed,
-                    extra_body={"chat_template_kwargs": {"enable_thinking": self.cfg.thinking}},
+                    extra_body={"chat_template_kwargs": {"enable_thinking": prompt.thinking}},
                 )
             except openai.OpenAIError as e:
                 return Completion(finish_reason="error", error=f"{type(e).__name__}: {e}")
@@ -293,14 +293,14 @@ class VLLMBackend:
         from vllm import SamplingParams
 
         params = SamplingParams(max_tokens=self.cfg.max_new_tokens, temperature=self.cfg.temperature, seed=seed)
-        outputs = self.llm.chat(
-            [p.messages for p in prompts],
-            params,
-            use_tqdm=False,
-            chat_template_kwargs={"enable_thinking": self.cfg.thinking},
-        )
+        outputs = {}
+        for thinking in sorted({p.thinking for p in prompts}):  # one chat() per mode: its kwargs are per call
+            group = [i for i, p in enumerate(prompts) if p.thinking == thinking]
+            answers = self.llm.chat([prompts[i].messages for i in group], params, use_tqdm=False,
+                                    chat_template_kwargs={"enable_thinking": thinking})
+            outputs.update(zip(group, answers, strict=True))
         results = []
-        for out in outputs:
+        for out in (outputs[i] for i in range(len(prompts))):
             gen = out.outputs[0]
             reasoning, content, stray = split_reasoning(gen.text)
             results.append(

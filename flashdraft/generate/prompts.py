@@ -28,6 +28,17 @@ class Prompt:
     id: str
     messages: list[dict[str, str]]
     category: str | None = None
+    thinking: bool | None = None  # the record's own mode; generate resolves every prompt's before asking
+
+
+def thinking_for(prompt: Prompt, setting: bool | str, ratio: float) -> bool:
+    """The mode a prompt is generated (and later rendered) in: its record's own, else the setting; "mixed" draws
+    by id, so the same prompt gets the same mode on every machine and rerun."""
+    if prompt.thinking is not None:
+        return prompt.thinking
+    if setting == "mixed":
+        return int(prompt.id[:8], 16) / 0x1_0000_0000 < ratio
+    return bool(setting)
 
 
 @dataclass(frozen=True)
@@ -80,7 +91,10 @@ def normalize(record: Any) -> Prompt:
     if not any(m["content"].strip() for m in messages if m["role"] == "user"):
         raise BadRecord("every user turn is empty")
     category = record.get("category")
-    return Prompt(prompt_id(messages), messages, category if isinstance(category, str) else None)
+    thinking = record.get("thinking")
+    if thinking is not None and not isinstance(thinking, bool):
+        raise BadRecord(f"`thinking` must be true or false, not {thinking!r}")
+    return Prompt(prompt_id(messages), messages, category if isinstance(category, str) else None, thinking)
 
 
 def _jsonl_records(path: Path) -> Iterator[tuple[int, Any, str]]:

@@ -24,6 +24,7 @@ class Conversation:
     messages: list[dict[str, Any]]  # with `reasoning` on assistant turns
     token_ids: list[int] | None  # the completion's token ids, when generate stored them
     thinking: bool  # enable_thinking as the completion was generated
+    final_only: bool  # train on the last assistant turn only (the others are not the target's words)
 
 
 def input_records(source: Path) -> tuple[Iterator[Item], bool]:
@@ -120,5 +121,10 @@ def conversation(raw: bytes | dict, from_generate: bool) -> Conversation:
         token_ids = record.get("token_ids")
     if not any(m["role"] == "assistant" for m in clean):
         raise BadRecord("no assistant turn to train on")
-    thinking = bool((record.get("sampling") or {}).get("thinking", False))
-    return Conversation(str(record.get("id") or prompt_id(clean)), clean, token_ids, thinking)
+    # Each record in its own mode: as generate produced it (`sampling.thinking`), or a plain record's `thinking`.
+    thinking = record.get("thinking")
+    if not isinstance(thinking, bool):
+        thinking = bool((record.get("sampling") or {}).get("thinking", False))
+    # A generate record's earlier assistant turns are the dataset's words unless every turn was regenerated.
+    final_only = from_generate and record.get("turns", "final") != "all"
+    return Conversation(str(record.get("id") or prompt_id(clean)), clean, token_ids, thinking, final_only)

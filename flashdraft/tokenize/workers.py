@@ -98,7 +98,7 @@ def process_chunk(items: list[Item]) -> ChunkResult:
     for source, line, raw in items:
         try:
             record = conversation(raw, from_generate)
-            text, spans, prompt_text, skipped = renderer.spans(record.messages, record.thinking, from_generate)
+            text, spans, prompt_text, skipped = renderer.spans(record.messages, record.thinking, record.final_only)
         except BadRecord as e:
             result.rejected.append({"file": source, "line": line, "reason": str(e)})
             continue

@@ -13,6 +13,7 @@ from flashdraft.artifact.manifest import MANIFEST, verify_dir
 from flashdraft.config import GenerateConfig
 from flashdraft.generate.backends import HFBackend, split_reasoning
 from flashdraft.generate.prompts import Prompt, load_prompts
+from flashdraft.records import BadRecord
 
 
 def prompts_file(path: Path, n: int) -> str:
@@ -185,11 +186,26 @@ def test_thinking_flag_reaches_the_chat_template(tmp_path, tiny_model_dir):
     tok = AutoTokenizer.from_pretrained(model_dir)
     tok.chat_template = QWEN3_STYLE_TEMPLATE
     tok.save_pretrained(model_dir)
-    prompt = Prompt("x", [{"role": "user", "content": "Hi"}])
-    off = HFBackend(GenerateConfig(model=str(model_dir), thinking=False), log=lambda s: None).render(prompt)
-    on = HFBackend(GenerateConfig(model=str(model_dir), thinking=True), log=lambda s: None).render(prompt)
+    backend = HFBackend(GenerateConfig(model=str(model_dir)), log=lambda s: None)
+    off = backend.render(Prompt("x", [{"role": "user", "content": "Hi"}], thinking=False))
+    on = backend.render(Prompt("x", [{"role": "user", "content": "Hi"}], thinking=True))  # each prompt its own mode
     assert off.endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
     assert on.endswith("<|im_start|>assistant\n")
+
+
+def test_mixed_thinking_is_drawn_by_id_and_a_record_s_own_mode_wins():
+    from flashdraft.generate.prompts import normalize, thinking_for
+
+    prompts = [normalize({"prompt": f"question {i}"}) for i in range(400)]
+    modes = [thinking_for(p, "mixed", 0.25) for p in prompts]
+    assert modes == [thinking_for(p, "mixed", 0.25) for p in prompts]  # same draw on every machine and rerun
+    assert 0.18 < sum(modes) / len(modes) < 0.32
+    assert not any(thinking_for(p, "mixed", 0.0) for p in prompts)
+    assert all(thinking_for(p, "mixed", 1.0) for p in prompts)
+    own = normalize({"prompt": "question 0", "thinking": True})
+    assert thinking_for(own, False, 0.5) is True and thinking_for(own, "mixed", 0.0) is True
+    with pytest.raises(BadRecord, match="`thinking` must be true or false"):
+        normalize({"prompt": "q", "thinking": "yes"})
 
 
 def test_reasoning_is_kept_apart_and_stray_markers_counted():
