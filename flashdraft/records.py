@@ -51,12 +51,45 @@ def check_turn(i: int, turn: Any, role_key: str = "role", content_key: str = "co
     if role not in ROLES:
         raise BadRecord(f"turn {i}: unknown role {turn.get(role_key)!r}")
     content = turn.get(content_key)
+    if content is None and role == "assistant" and turn.get("tool_calls"):
+        content = ""  # OpenAI form: a turn that only calls tools has null content
     if not isinstance(content, str):
         raise BadRecord(f"turn {i}: content is {type(content).__name__}, not a string")
     return role, content
 
 
-def prompt_id(messages: list[dict[str, str]]) -> str:
-    """A conversation's stable id: a hash of its messages in canonical JSON."""
-    canonical = json.dumps(messages, sort_keys=True, ensure_ascii=False, separators=(",", ":"))
+def turn_extras(i: int, role: str, turn: dict[str, Any]) -> dict[str, Any]:
+    """The tool fields of turn i (OpenAI form) kept beside role and content: an assistant turn's `tool_calls`
+    ([{type: function, function: {name, arguments}}]), a tool turn's `tool_call_id` / `name`."""
+    extras: dict[str, Any] = {}
+    if role == "assistant" and turn.get("tool_calls") is not None:
+        calls = turn["tool_calls"]
+        if not isinstance(calls, list) or not calls:
+            raise BadRecord(f"turn {i}: tool_calls must be a non-empty list")
+        for call in calls:
+            function = call.get("function") if isinstance(call, dict) else None
+            if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+                raise BadRecord(f"turn {i}: a tool call needs function.name (OpenAI form)")
+            if not isinstance(function.get("arguments", {}), str | dict):
+                raise BadRecord(f"turn {i}: tool call arguments must be a JSON string or an object")
+        extras["tool_calls"] = calls
+    if role == "tool":
+        extras |= {k: turn[k] for k in ("tool_call_id", "name") if isinstance(turn.get(k), str)}
+    return extras
+
+
+def check_tools(record: dict[str, Any]) -> list[dict[str, Any]] | None:
+    """A record's `tools` (OpenAI function schemas), passed to the chat template and the server as they are."""
+    tools = record.get("tools")
+    if tools is None:
+        return None
+    if not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools):
+        raise BadRecord("`tools` must be a list of tool schemas (objects)")
+    return tools or None
+
+
+def prompt_id(messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> str:
+    """A conversation's stable id: a hash of its messages (and tools, when it has some) in canonical JSON."""
+    canonical = json.dumps(messages if tools is None else {"messages": messages, "tools": tools},
+                           sort_keys=True, ensure_ascii=False, separators=(",", ":"))
     return hashlib.sha256(canonical.encode("utf-8")).hexdigest()[:16]

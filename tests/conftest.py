@@ -118,3 +118,45 @@ QWEN3_5_STYLE = """
 @pytest.fixture(scope="session")
 def qwen3_5_template() -> str:
     return QWEN3_5_STYLE
+
+
+# Qwen3's template in the parts that decide masks with tools (written from its structure; no network): tool
+# schemas in the system turn, an assistant's tool calls as <tool_call> JSON inside its turn, tool results as
+# user-side <tool_response> turns, a think block on every assistant turn after the last user query (empty when
+# thinking is off, which the generation prompt opens too).
+QWEN3_TOOLS_TEMPLATE = (
+    "{% set ns = namespace(last=0) %}"
+    "{% for m in messages %}{% if m.role == 'user' %}{% set ns.last = loop.index0 %}{% endif %}{% endfor %}"
+    "{% if tools %}<|im_start|>system\n"
+    "{% if messages[0].role == 'system' %}{{ messages[0].content }}\n\n{% endif %}"
+    "# Tools\n<tools>{% for t in tools %}\n{{ t | tojson }}{% endfor %}\n</tools><|im_end|>\n"
+    "{% elif messages[0].role == 'system' %}<|im_start|>system\n{{ messages[0].content }}<|im_end|>\n{% endif %}"
+    "{% for m in messages %}"
+    "{% if m.role == 'user' %}<|im_start|>user\n{{ m.content }}<|im_end|>\n"
+    "{% elif m.role == 'assistant' %}<|im_start|>assistant\n"
+    "{% if loop.index0 > ns.last %}<think>\n{{ (m.reasoning_content or '') | trim }}\n</think>\n\n{% endif %}"
+    "{{ m.content }}"
+    "{% for c in m.tool_calls or [] %}{% if not loop.first or m.content %}\n{% endif %}<tool_call>\n"
+    '{"name": "{{ c.function.name }}", "arguments": '
+    "{{ c.function.arguments if c.function.arguments is string else c.function.arguments | tojson }}}"
+    "\n</tool_call>{% endfor %}<|im_end|>\n"
+    "{% elif m.role == 'tool' %}<|im_start|>user\n<tool_response>\n{{ m.content }}\n</tool_response><|im_end|>\n"
+    "{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n"
+    "{% if enable_thinking is defined and enable_thinking is false %}<think>\n\n</think>\n\n{% endif %}{% endif %}"
+)
+
+
+@pytest.fixture(scope="session")
+def tools_model_dir(tmp_path_factory, tiny_model_dir) -> str:
+    """The tiny random-weight model with the Qwen3-style tools-and-thinking template."""
+    import shutil
+
+    from transformers import AutoTokenizer
+
+    path = tmp_path_factory.mktemp("tiny-tools") / "model"
+    shutil.copytree(tiny_model_dir, path)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    tokenizer.chat_template = QWEN3_TOOLS_TEMPLATE
+    tokenizer.save_pretrained(path)
+    return str(path)

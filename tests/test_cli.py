@@ -8,7 +8,8 @@ from typer.main import get_command
 
 from flashdraft.cli import app
 
-COMMANDS = ["generate", "tokenize", "train", "eval", "manifest", "verify", "sync", "status", "run", "demo", "estimate"]
+COMMANDS = ["generate", "tokenize", "train", "eval", "export", "manifest", "verify", "sync", "status", "run", "demo",
+            "estimate"]
 
 # The CLI is an interface others script against (DESIGN §6): a new or renamed flag must be a deliberate
 # change to this table, not an accident.
@@ -27,6 +28,7 @@ FROZEN_FLAGS = {
         "--shard-index",
         "--temperature",
         "--thinking",
+        "--turns",
         "--upload-to",
     ],
     "tokenize": [
@@ -44,6 +46,7 @@ FROZEN_FLAGS = {
     "train": ["--config", "--data", "--epochs", "--features", "--init-from", "--json", "--max-steps", "--out",
               "--push-to", "--resume", "--target"],
     "eval": ["--config", "--drafter", "--json", "--max-new-tokens", "--out", "--prompts", "--target", "--temperature"],
+    "export": ["--config", "--drafter", "--format", "--json", "--out", "--target"],
     "manifest": ["--json", "--kind"],
     "verify": ["--deep", "--endpoint-url", "--json", "--profile"],
     "sync": ["--delete", "--endpoint-url", "--jobs", "--json", "--part-size-mb", "--profile", "--verbose"],

@@ -135,6 +135,10 @@ def to_record(prompt: Prompt, history: list[dict[str, Any]], done: Completion, m
         "sampling": {"temperature": cfg.temperature, "max_new_tokens": cfg.max_new_tokens,
                      "thinking": prompt.thinking},
     }
+    if done.tool_calls:
+        record["tool_calls"] = done.tool_calls
+    if prompt.tools:
+        record["tools"] = prompt.tools
     if prompt.category:
         record["category"] = prompt.category
     return record

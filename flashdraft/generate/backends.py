@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import importlib.util
 import itertools
+import json
 import logging
 import time
 from dataclasses import dataclass
@@ -35,6 +36,9 @@ class Completion:
     token_ids: list[int] | None = None
     stray_think_markers: int = 0
     error: str | None = None
+    # OpenAI form, as a server parsed them (openai backend). The hf and vllm backends keep the model's tool-call
+    # markup in `content`: re-rendered as content it gives back exactly the tokens the model produced.
+    tool_calls: list[dict[str, Any]] | None = None
 
 
 def split_reasoning(text: str, reasoning: str | None = None) -> tuple[str | None, str, int]:
@@ -77,8 +81,8 @@ def context_rejections(cfg: GenerateConfig, prompts: list[Prompt], log=print) ->
     tokenizer = AutoTokenizer.from_pretrained(path)
     rejected = {}
     for prompt in prompts:
-        text = tokenizer.apply_chat_template(prompt.messages, add_generation_prompt=True, tokenize=False,
-                                             enable_thinking=prompt.thinking)
+        text = tokenizer.apply_chat_template(prompt.messages, tools=prompt.tools, add_generation_prompt=True,
+                                             tokenize=False, enable_thinking=prompt.thinking)
         n = len(tokenizer(text, add_special_tokens=False)["input_ids"])
         if n + cfg.max_new_tokens > context:
             rejected[prompt.id] = (f"prompt is {n} tokens; with max_new_tokens {cfg.max_new_tokens} it exceeds the "
@@ -107,7 +111,8 @@ class HFBackend:
 
     def render(self, prompt: Prompt) -> str:
         return self.tokenizer.apply_chat_template(
-            prompt.messages, add_generation_prompt=True, tokenize=False, enable_thinking=prompt.thinking
+            prompt.messages, tools=prompt.tools, add_generation_prompt=True, tokenize=False,
+            enable_thinking=prompt.thinking,
         )
 
     def complete(self, prompts: list[Prompt], seed: int = 0) -> list[Completion]:
@@ -214,6 +219,7 @@ class OpenAIBackend:
                 response = await client.chat.completions.create(
                     model=self.model_name,
                     messages=prompt.messages,
+                    **({"tools": prompt.tools} if prompt.tools else {}),
                     max_tokens=self.cfg.max_new_tokens,
                     temperature=self.cfg.temperature,
                     seed=seed,
@@ -228,6 +234,9 @@ class OpenAIBackend:
         server_reasoning = extra.get("reasoning_content") or extra.get("reasoning")
         reasoning, content, stray = split_reasoning(choice.message.content or "", server_reasoning)
         usage = response.usage
+        calls = [{"type": "function", "id": c.id,
+                  "function": {"name": c.function.name, "arguments": c.function.arguments}}
+                 for c in choice.message.tool_calls or [] if getattr(c, "function", None)]
         return Completion(
             content=content,
             reasoning=reasoning,
@@ -235,6 +244,7 @@ class OpenAIBackend:
             prompt_tokens=usage.prompt_tokens if usage else 0,
             completion_tokens=usage.completion_tokens if usage else 0,
             stray_think_markers=stray,
+            tool_calls=calls or None,
         )
 
 
@@ -294,10 +304,13 @@ class VLLMBackend:
 
         params = SamplingParams(max_tokens=self.cfg.max_new_tokens, temperature=self.cfg.temperature, seed=seed)
         outputs = {}
-        for thinking in sorted({p.thinking for p in prompts}):  # one chat() per mode: its kwargs are per call
-            group = [i for i, p in enumerate(prompts) if p.thinking == thinking]
+        def mode(p: Prompt) -> tuple[bool, str]:
+            return bool(p.thinking), json.dumps(p.tools, sort_keys=True)
+
+        for key in sorted({mode(p) for p in prompts}):  # one chat() per mode and tool set: they are per call
+            group = [i for i, p in enumerate(prompts) if mode(p) == key]
             answers = self.llm.chat([prompts[i].messages for i in group], params, use_tqdm=False,
-                                    chat_template_kwargs={"enable_thinking": thinking})
+                                    tools=prompts[group[0]].tools, chat_template_kwargs={"enable_thinking": key[0]})
             outputs.update(zip(group, answers, strict=True))
         results = []
         for out in (outputs[i] for i in range(len(prompts))):

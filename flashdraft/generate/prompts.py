@@ -18,7 +18,16 @@ from pathlib import Path
 from typing import Any
 
 from flashdraft.errors import BadInput
-from flashdraft.records import SHAREGPT_ROLES, BadRecord, check_turn, jsonl_lines, parse_json, prompt_id
+from flashdraft.records import (
+    SHAREGPT_ROLES,
+    BadRecord,
+    check_tools,
+    check_turn,
+    jsonl_lines,
+    parse_json,
+    prompt_id,
+    turn_extras,
+)
 
 BUILTIN = "builtin:"
 
@@ -29,6 +38,7 @@ class Prompt:
     messages: list[dict[str, str]]
     category: str | None = None
     thinking: bool | None = None  # the record's own mode; generate resolves every prompt's before asking
+    tools: list[dict[str, Any]] | None = None  # OpenAI function schemas, for the template and the server
 
 
 def thinking_for(prompt: Prompt, setting: bool | str, ratio: float) -> bool:
@@ -82,7 +92,7 @@ def normalize(record: Any) -> Prompt:
     messages = []
     for i, turn in enumerate(turns):
         role, content = check_turn(i, turn, role_key, content_key, role_map)
-        messages.append({"role": role, "content": content})
+        messages.append({"role": role, "content": content, **turn_extras(i, role, turn)})
 
     if messages[-1]["role"] == "assistant":
         messages = messages[:-1]  # regenerate the final assistant turn from the history before it
@@ -90,11 +100,13 @@ def normalize(record: Any) -> Prompt:
         raise BadRecord("nothing to answer: the conversation must end with a user (or tool) turn")
     if not any(m["content"].strip() for m in messages if m["role"] == "user"):
         raise BadRecord("every user turn is empty")
+    tools = check_tools(record)
     category = record.get("category")
     thinking = record.get("thinking")
     if thinking is not None and not isinstance(thinking, bool):
         raise BadRecord(f"`thinking` must be true or false, not {thinking!r}")
-    return Prompt(prompt_id(messages), messages, category if isinstance(category, str) else None, thinking)
+    return Prompt(prompt_id(messages, tools), messages, category if isinstance(category, str) else None, thinking,
+                  tools)
 
 
 def _jsonl_records(path: Path) -> Iterator[tuple[int, Any, str]]:

@@ -27,11 +27,14 @@ def assistant_turn(done: Completion) -> dict[str, Any]:
     turn = {"role": "assistant", "content": done.content}
     if done.reasoning:
         turn["reasoning"] = done.reasoning
+    if done.tool_calls:
+        turn["tool_calls"] = done.tool_calls
     return turn
 
 
 def as_request(history: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    return [{"role": m["role"], "content": m["content"]} for m in history]
+    """The history as sent: every field but the reasoning (see `assistant_turn`)."""
+    return [{k: v for k, v in m.items() if k != "reasoning"} for m in history]
 
 
 def regenerate(backend: Backend, prompts: list[Prompt], turns: str, seed: int

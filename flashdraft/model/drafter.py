@@ -28,6 +28,7 @@ from transformers import Qwen3Config
 from transformers.models.qwen3.modeling_qwen3 import Qwen3RotaryEmbedding
 
 from flashdraft.errors import BadInput
+from flashdraft.model.modeling_dflash import DFlashMLP as MLP  # the file shipped with exports: one MLP for both
 
 
 def uniform_layer_ids(num_target_layers: int, n: int) -> list[int]:
@@ -152,17 +153,6 @@ class Attention(nn.Module):
             mask = None if allowed_BSX is None else allowed_BSX.unsqueeze(1)
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
         return self.o_proj(out.transpose(1, 2).reshape(b, s, self.heads * self.head_dim))
-
-
-class MLP(nn.Module):
-    def __init__(self, config: Qwen3Config) -> None:
-        super().__init__()
-        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
 class DraftLayer(nn.Module):

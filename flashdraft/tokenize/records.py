@@ -13,7 +13,7 @@ from typing import Any
 
 from flashdraft.artifact.manifest import MANIFEST, require_verified
 from flashdraft.errors import BadInput
-from flashdraft.records import BadRecord, check_turn, jsonl_lines, parse_json, prompt_id
+from flashdraft.records import BadRecord, check_tools, check_turn, jsonl_lines, parse_json, prompt_id, turn_extras
 
 Item = tuple[str, int, bytes | dict]  # (file name, 1-based line or row, raw line or parsed row)
 
@@ -25,6 +25,7 @@ class Conversation:
     token_ids: list[int] | None  # the completion's token ids, when generate stored them
     thinking: bool  # enable_thinking as the completion was generated
     final_only: bool  # train on the last assistant turn only (the others are not the target's words)
+    tools: list[dict[str, Any]] | None = None  # rendered by the chat template in its own tool format
 
 
 def input_records(source: Path) -> tuple[Iterator[Item], bool]:
@@ -106,7 +107,7 @@ def conversation(raw: bytes | dict, from_generate: bool) -> Conversation:
     for i, m in enumerate(messages):
         role, content = check_turn(i, m)
         reasoning = m.get("reasoning", m.get("reasoning_content"))
-        turn = {"role": role, "content": content}
+        turn = {"role": role, "content": content, **turn_extras(i, role, m)}
         if isinstance(reasoning, str) and reasoning.strip():
             turn["reasoning"] = reasoning
         clean.append(turn)
@@ -114,7 +115,8 @@ def conversation(raw: bytes | dict, from_generate: bool) -> Conversation:
     if from_generate:
         if not isinstance(record.get("content"), str):
             raise BadRecord("completion record has no string `content`")
-        final = {"role": "assistant", "content": record["content"]}
+        final = {"role": "assistant", "content": record["content"],
+                 **turn_extras(len(clean), "assistant", record)}  # the completion's tool calls, if any
         if isinstance(record.get("reasoning"), str) and record["reasoning"].strip():
             final["reasoning"] = record["reasoning"]
         clean.append(final)
@@ -127,4 +129,6 @@ def conversation(raw: bytes | dict, from_generate: bool) -> Conversation:
         thinking = bool((record.get("sampling") or {}).get("thinking", False))
     # A generate record's earlier assistant turns are the dataset's words unless every turn was regenerated.
     final_only = from_generate and record.get("turns", "final") != "all"
-    return Conversation(str(record.get("id") or prompt_id(clean)), clean, token_ids, thinking, final_only)
+    tools = check_tools(record)
+    return Conversation(str(record.get("id") or prompt_id(clean, tools)), clean, token_ids, thinking, final_only,
+                        tools)

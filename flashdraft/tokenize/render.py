@@ -76,11 +76,12 @@ class Renderer:
                     return None
         return compiled
 
-    def _render_direct(self, compiled: Any, turns: list[dict[str, Any]], thinking: bool, gen_prompt: bool) -> str:
+    def _render_direct(self, compiled: Any, turns: list[dict[str, Any]], thinking: bool, gen_prompt: bool,
+                       tools: list[dict[str, Any]] | None = None) -> str:
         # apply_chat_template also shows a turn's reasoning_content to templates that read `thinking` (gpt-oss)
         turns = [{"thinking": t["reasoning_content"], **t} if "reasoning_content" in t else t for t in turns]
         return compiled.render(
-            messages=turns, tools=None, documents=None, add_generation_prompt=gen_prompt,
+            messages=turns, tools=tools, documents=None, add_generation_prompt=gen_prompt,
             **self.variables, enable_thinking=thinking,
         )
 
@@ -90,7 +91,7 @@ class Renderer:
         last = max(i for i, m in enumerate(messages) if m["role"] == "assistant")
         out = []
         for i, m in enumerate(messages):
-            turn = {"role": m["role"], "content": m["content"]}
+            turn = {k: v for k, v in m.items() if k != "reasoning"}  # role, content and any tool fields
             if m["role"] == "assistant" and self.reasoning_in_template:
                 turn["reasoning_content"] = m.get("reasoning", "") if i == last else ""
             elif i == last and m.get("reasoning"):
@@ -98,23 +99,27 @@ class Renderer:
             out.append(turn)
         return out
 
-    def render(self, messages: list[dict[str, Any]], thinking: bool, generation_prompt: bool = False) -> str:
+    def render(self, messages: list[dict[str, Any]], thinking: bool, generation_prompt: bool = False,
+               tools: list[dict[str, Any]] | None = None) -> str:
         if self.compiled is not None:
-            return self._render_direct(self.compiled, messages, thinking, generation_prompt)
+            return self._render_direct(self.compiled, messages, thinking, generation_prompt, tools)
         return self.tokenizer.apply_chat_template(
-            messages, tokenize=False, add_generation_prompt=generation_prompt, enable_thinking=thinking
+            messages, tools=tools, tokenize=False, add_generation_prompt=generation_prompt, enable_thinking=thinking
         )
 
-    def spans(self, messages: list[dict[str, Any]], thinking: bool, final_only: bool) -> tuple[str, list, str, int]:
-        """(full text, [(start, end)] of trained turns, the final turn's prompt text, turns skipped as unstable)."""
+    def spans(self, messages: list[dict[str, Any]], thinking: bool, final_only: bool,
+              tools: list[dict[str, Any]] | None = None) -> tuple[str, list, str, int]:
+        """(full text, [(start, end)] of trained turns, the final turn's prompt text, turns skipped as unstable).
+        A trained turn's span is all the template renders for it — its tool calls included; tool results are
+        their own (`tool`) turns and never trained on."""
         msgs = self.template_messages(messages)
-        full = self.render(msgs, thinking)
+        full = self.render(msgs, thinking, tools=tools)
         assistant = [i for i, m in enumerate(msgs) if m["role"] == "assistant"]
         trained = assistant[-1:] if final_only else assistant
         spans, skipped, prompt_text = [], 0, ""
         for i in trained:
-            before = self.render(msgs[:i], thinking, generation_prompt=True)
-            through = full if i == len(msgs) - 1 else self.render(msgs[: i + 1], thinking)
+            before = self.render(msgs[:i], thinking, generation_prompt=True, tools=tools)
+            through = full if i == len(msgs) - 1 else self.render(msgs[: i + 1], thinking, tools=tools)
             if not (full.startswith(through) and through.startswith(before)):
                 # e.g. Qwen3 renders an earlier turn differently once a later user turn exists.
                 if i == assistant[-1]:

@@ -98,7 +98,8 @@ def process_chunk(items: list[Item]) -> ChunkResult:
     for source, line, raw in items:
         try:
             record = conversation(raw, from_generate)
-            text, spans, prompt_text, skipped = renderer.spans(record.messages, record.thinking, record.final_only)
+            text, spans, prompt_text, skipped = renderer.spans(record.messages, record.thinking, record.final_only,
+                                                                   record.tools)
         except BadRecord as e:
             result.rejected.append({"file": source, "line": line, "reason": str(e)})
             continue

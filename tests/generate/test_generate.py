@@ -263,6 +263,27 @@ def test_openai_backend_against_transformers_serve(cli, tmp_path, tiny_model_dir
         rows = records(out)
         assert all(0 < r["completion_tokens"] <= 8 and r["prompt_tokens"] > 0 for r in rows)
         assert all(r["model"] for r in rows)
+
+        # An agent trace with tools, every assistant turn regenerated, modes mixed: the server takes the tools
+        # and the tool turns, and each record says what it was generated with.
+        tools = [{"type": "function", "function": {"name": "lookup", "parameters": {"type": "object"}}}]
+        trace = {"tools": tools, "messages": [
+            {"role": "user", "content": "Find it."},
+            {"role": "assistant", "content": None, "tool_calls": [
+                {"type": "function", "id": "c1", "function": {"name": "lookup", "arguments": "{}"}}]},
+            {"role": "tool", "tool_call_id": "c1", "content": "found"},
+            {"role": "user", "content": "Summarize."}]}
+        agent = tmp_path / "agent.jsonl"
+        agent.write_text(json.dumps(trace) + "\n" + '{"prompt": "Hello?"}\n')
+        stats = last_json(cli("generate", "--prompts", str(agent), "--out", str(tmp_path / "agent"), "--backend",
+                              "openai", "--max-new-tokens", "8", "--model", tiny_model_dir, "--turns", "all",
+                              "--thinking", "mixed", "--base-url", f"http://127.0.0.1:{port}/v1", "--json",
+                              check=True))
+        assert stats["records"] == 2 and stats["assistant_turns"] == 3
+        assert stats["thinking_on"] + stats["thinking_off"] == 2
+        done = {r["messages"][0]["content"]: r for r in records(tmp_path / "agent")}
+        assert done["Find it."]["tools"] == tools and done["Find it."]["messages"][2]["role"] == "tool"
+        assert done["Find it."]["messages"][1]["content"] != ""  # the target's own turn replaced the tool call
     finally:
         os.killpg(server.pid, signal.SIGTERM)
         server.wait(30)
