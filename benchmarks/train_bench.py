@@ -2,6 +2,11 @@
 
     .venv/bin/python benchmarks/train_bench.py [--lengths 512,1024,2048] [--anchors 32] [--layers 2]
                                                [--modes online-full,offline-4096]
+    .venv/bin/python benchmarks/train_bench.py --batching 4 --lengths 300,2000 --anchors 16 --block 8
+
+`--batching B` compares instead the optimizer step over B sequences (lengths jittered ±25 % around each
+length, like real data) done one sequence per forward pass (`train.micro_batch: 1`) against all B in one
+padded forward pass (`train.micro_batch: B`, flashdraft's default), same anchors, same math.
 
 For each mode and sequence length: tokens/s and peak RSS of full training steps (drafter forward and
 backward, LM head, AdamW step; with `online-full` also the target's forward for the features and the full
@@ -91,6 +96,94 @@ def worker(length: int, anchors: int, layers: int, naive: bool, steps: int, mode
             "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
 
 
+def batch_worker(length: int, batch: int, anchors: int, layers: int, block: int, batched: bool, steps: int,
+                 mode: str) -> dict:
+    """One optimizer step over `batch` sequences: all in one padded pass, or one sequence per pass."""
+    import torch
+
+    from flashdraft.config import TrainConfig
+    from flashdraft.model.drafter import DFlashDrafter, draft_config
+    from flashdraft.model.resolve import resolve_model
+    from flashdraft.model.target import Target
+    from flashdraft.train.step import batch_step, sequence_step
+
+    torch.manual_seed(0)
+    offline = mode.startswith("offline")
+    vocab = int(mode.split("-")[1]) if offline else None
+    target = Target(resolve_model("embedded", log=lambda s: None), "cpu", lambda s: None)
+    drafter = DFlashDrafter(draft_config(target.config, num_layers=layers, block_size=block, mask_token_id=0,
+                                         draft_vocab_size=vocab))
+    if vocab:
+        drafter.set_draft_vocab(torch.randperm(target.config.vocab_size)[:vocab])
+    target.watch(drafter.target_layer_ids)
+    optimizer = torch.optim.AdamW(drafter.parameters(), lr=1e-4)
+    g = torch.Generator().manual_seed(1)
+    lengths = [int(length * (0.75 + 0.5 * torch.rand(1, generator=g).item())) for _ in range(batch)]
+    rows = []
+    for n in lengths:
+        mask = torch.ones(n, dtype=torch.long)
+        mask[: n // 3] = 0  # a prompt, then the answer
+        rows.append((torch.randint(0, 49000, (n,), generator=g), mask))
+    cfg = TrainConfig(block_size=block, max_anchors=anchors, max_length=max(lengths))
+    cached = [target.features(ids[None])[0] for ids, _ in rows] if offline else None  # read outside the clock
+
+    def step():
+        gens = [torch.Generator().manual_seed(i) for i in range(batch)]
+        if batched:
+            results = batch_step(drafter, target, rows, cfg, gens, "cpu", cached)
+            (sum(r["loss"] for r in results) / batch).backward()
+        else:
+            for i, ((ids, mask), gen) in enumerate(zip(rows, gens, strict=True)):
+                result = sequence_step(drafter, target, ids, mask, cfg, gen, "cpu", cached and cached[i])
+                (result["loss"] / batch).backward()
+
+    step()  # warm-up
+    optimizer.zero_grad()
+    start = time.perf_counter()
+    for _ in range(steps):
+        step()
+        optimizer.step()
+        optimizer.zero_grad()
+    seconds = (time.perf_counter() - start) / steps
+    return {"seconds_per_step": seconds, "tokens_per_s": sum(lengths) / seconds,
+            "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
+
+
+def batching(args) -> None:
+    rows = []
+    for mode in args.modes.split(","):
+        for length in [int(x) for x in args.lengths.split(",")]:
+            result = {}
+            for variant in ("batched", "one-at-a-time"):
+                cmd = [sys.executable, __file__, "--worker", f"{length}:{variant}:{mode}", "--batching",
+                       str(args.batching), "--anchors", str(args.anchors), "--layers", str(args.layers), "--steps",
+                       str(args.steps), "--block", str(args.block)]
+                proc = subprocess.run(cmd, capture_output=True, text=True, check=True, env=dict(os.environ))
+                result[variant] = json.loads(proc.stdout.strip().splitlines()[-1])
+            rows.append((mode, length, result["batched"], result["one-at-a-time"]))
+            print(mode, length, result, flush=True)
+    lines = [
+        f"### train batching — {datetime.now(UTC).date()} — SmolLM2-135M target, {args.layers}-layer drafter, "
+        f"block {args.block}, {args.anchors} anchors/sequence, {args.batching} sequences/step, CPU, "
+        f"{os.cpu_count()} cores",
+        "",
+        f"Command: `.venv/bin/python benchmarks/train_bench.py --batching {args.batching} --lengths {args.lengths} "
+        f"--anchors {args.anchors} --layers {args.layers} --block {args.block} --steps {args.steps} "
+        f"--modes {args.modes}`",
+        "",
+        "| target features, LM head | sample length (±25 %) | batched tokens/s | batched peak RSS MB | "
+        "one-at-a-time tokens/s | one-at-a-time peak RSS MB | batched speedup |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    names = {"online-full": "online (target in the step), 49,152 tokens"}
+    for mode, length, fast, slow in rows:
+        name = names.get(mode, f"offline cache, {mode.split('-')[1]}-token draft vocab")
+        lines.append(f"| {name} | {length} | {fast['tokens_per_s']:.0f} | {fast['peak_rss_mb']:.0f} | "
+                     f"{slow['tokens_per_s']:.0f} | {slow['peak_rss_mb']:.0f} | "
+                     f"{slow['seconds_per_step'] / fast['seconds_per_step']:.2f}× |")
+    record(lines, keep=not args.no_record)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--lengths", default="512,1024,2048")
@@ -99,9 +192,18 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--modes", default="online-full,offline-4096",
                     help="online-full: target inside the step, full vocab; offline-V: cached features, V-token vocab")
+    ap.add_argument("--batching", type=int, default=0, help="compare B sequences per pass with one at a time")
+    ap.add_argument("--block", type=int, default=16, help="block size (--batching)")
     ap.add_argument("--no-record", action="store_true")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.worker and args.batching:
+        length, variant, mode = args.worker.split(":")
+        print(json.dumps(batch_worker(int(length), args.batching, args.anchors, args.layers, args.block,
+                                      variant == "batched", args.steps, mode)))
+        return
+    if args.batching:
+        return batching(args)
     if args.worker:
         length, naive, mode = args.worker.split(":")
         print(json.dumps(worker(int(length), args.anchors, args.layers, naive == "naive", args.steps, mode)))

@@ -80,6 +80,11 @@ class TrainConfig(Section):
     max_length: Positive = 3072
     seed: int = 0
     batch_size: Positive = 4  # sequences per optimizer step (per process under torchrun)
+    # sequences per forward pass, padded to the longest (1 = one at a time); same loss and gradients either way
+    micro_batch: Positive = 4
+    # the next step's target features computed on a thread while the drafter trains on this one; None = when
+    # the target runs on other devices than the drafter (online features). Same losses either way (tested).
+    prefetch: bool | None = None
     weight_decay: NonNegativeFloat = 0.0
     checkpoint_every: Positive = 200  # optimizer steps; also at every epoch end
     keep_checkpoints: Positive = 3  # newest complete checkpoints kept locally; older ones are deleted

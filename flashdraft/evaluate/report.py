@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import statistics
 from collections import Counter, defaultdict
 from pathlib import Path
 from typing import Any
@@ -32,6 +33,11 @@ def summarize(per_prompt: list[dict], block_size: int, cfg: EvalConfig) -> dict[
             "tokens_per_s": sum(r["tokens"] for r in rows) / max(spec_s, 1e-9),
             "target_tokens_per_s": sum(r["target_tokens"] for r in rows) / max(base_s, 1e-9),
             "speedup": base_s / max(spec_s, 1e-9),
+            # Each prompt's three decodings run back to back, so machine noise hits them alike; the median and
+            # spread of per-prompt ratios say how far the aggregate can be trusted on a shared machine.
+            "speedup_per_prompt": spread([r["target_seconds"] / max(r["spec_seconds"], 1e-9) for r in rows]),
+            "lookup_speedup_per_prompt": spread([r["target_seconds"] / max(r["lookup_seconds"], 1e-9)
+                                                 for r in rows]) if lookup else None,
             "lookup_acceptance_length": pld_tokens / max(1, pld_forwards) if lookup else None,
             "lookup_speedup": base_s / max(pld_s, 1e-9) if lookup else None,
             "lossless": all(lossless) if lossless else None,
@@ -45,6 +51,16 @@ def summarize(per_prompt: list[dict], block_size: int, cfg: EvalConfig) -> dict[
         report["by_category"] = {name: block(rows) for name, rows in sorted(categories.items())}
     report["config"] = cfg.model_dump()
     return report
+
+
+def spread(ratios: list[float]) -> dict[str, float] | None:
+    """Median and the 10th–90th percentile range of per-prompt ratios."""
+    if not ratios:
+        return None
+    if len(ratios) == 1:
+        return {"median": round(ratios[0], 3), "p10": round(ratios[0], 3), "p90": round(ratios[0], 3)}
+    deciles = statistics.quantiles(ratios, n=10, method="inclusive")
+    return {"median": round(statistics.median(ratios), 3), "p10": round(deciles[0], 3), "p90": round(deciles[-1], 3)}
 
 
 def plot(report: dict[str, Any], out: Path) -> None:

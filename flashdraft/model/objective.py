@@ -69,35 +69,43 @@ def block_attention_mask(anchors_N: torch.Tensor, block_size: int, context_len: 
     return torch.cat([sees_context, sees_block], dim=1)
 
 
-def flex_block_mask(anchors_N: torch.Tensor, block_size: int, context_len: int, device, window: int | None = None):
+def flex_block_mask(anchors: torch.Tensor, block_size: int, context_len: int, device, window: int | None = None):
     """`block_attention_mask` as a FlexAttention BlockMask, what CUDA training uses: tiles no query may see
-    are skipped instead of computed and masked. Same keys layout: context first, then the blocks."""
+    are skipped instead of computed and masked. Same keys layout: context first, then the blocks. `anchors`:
+    one sequence's (N) or a batch's (B × N, see `block_masks`)."""
     from torch.nn.attention.flex_attention import create_block_mask
 
-    anchors = anchors_N.to(device)
+    rows = anchors.to(device)
+    rows = rows[None] if rows.dim() == 1 else rows
     reach = window if window is not None else 1 << 30  # no window: every earlier position is in reach
     causal = window is not None  # sliding layers are causal within the block (see block_attention_mask)
 
     def allowed(b, h, q, kv):
         block = q // block_size
-        position = anchors[block] + q % block_size
-        sees_context = (kv < context_len) & (kv < anchors[block]) & (position - kv < reach)
+        anchor = rows[b, block]
+        position = anchor + q % block_size
+        sees_context = (kv < context_len) & (kv < anchor) & (position - kv < reach)
         sees_block = (kv >= context_len) & ((kv - context_len) // block_size == block)
         if causal:
             sees_block &= (kv - context_len) % block_size <= q % block_size
         return sees_context | sees_block
 
-    s = anchors.shape[0] * block_size
-    return create_block_mask(allowed, B=None, H=None, Q_LEN=s, KV_LEN=context_len + s, device=device)
+    s = rows.shape[1] * block_size
+    return create_block_mask(allowed, B=rows.shape[0] if anchors.dim() == 2 else None, H=None, Q_LEN=s,
+                             KV_LEN=context_len + s, device=device)
 
 
-def block_masks(anchors_N: torch.Tensor, block_size: int, context_len: int, window: int | None, device):
+def block_masks(anchors: torch.Tensor, block_size: int, context_len: int, window: int | None, device):
     """The attention masks a drafter's layers need, by layer type: block-sparse FlexAttention on CUDA, a dense
-    boolean mask (for SDPA) elsewhere. Only `full_attention` unless the drafter has sliding-window layers."""
+    boolean mask (for SDPA, B × S × X) elsewhere. Only `full_attention` unless the drafter has sliding-window
+    layers. `anchors`: one sequence's (N) or a batch's (B × N, every row padded to N blocks with anchor 0: a
+    padding block sees no context, only itself, and carries no loss)."""
+    rows = anchors if anchors.dim() == 2 else anchors[None]
+
     def build(w):
         if str(device).startswith("cuda"):
-            return flex_block_mask(anchors_N, block_size, context_len, device, window=w)
-        return block_attention_mask(anchors_N, block_size, context_len, window=w)[None].to(device)
+            return flex_block_mask(anchors, block_size, context_len, device, window=w)
+        return torch.stack([block_attention_mask(r, block_size, context_len, window=w) for r in rows]).to(device)
 
     masks = {"full_attention": build(None)}
     if window is not None:

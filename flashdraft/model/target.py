@@ -51,8 +51,20 @@ class Target:
         self.model = AutoModelForCausalLM.from_pretrained(self.path, dtype=dtype, **kwargs).eval()
         if not many:
             self.model.to(device)
-        self.model.requires_grad_(False)
-        self.decoder, self.lm_head, self.config = language_model(self.model)
+        self._adopt(self.model)
+
+    @classmethod
+    def from_model(cls, model: torch.nn.Module, name: str = "(in memory)") -> Target:
+        """A target around a model already built (benchmarks/gpu_check.py builds random-weight ones in GPU
+        memory instead of writing tens of GB to disk)."""
+        target = cls.__new__(cls)
+        target.path, target.model = name, model.eval()
+        target._adopt(model)
+        return target
+
+    def _adopt(self, model: torch.nn.Module) -> None:
+        model.requires_grad_(False)
+        self.decoder, self.lm_head, self.config = language_model(model)
         self._captured: dict[int, torch.Tensor] = {}
         self._hooks: list = []
 

@@ -24,6 +24,7 @@ import math
 import os
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
@@ -67,12 +68,12 @@ from flashdraft.train.data import (
 )
 from flashdraft.train.distributed import Placement, barrier, place, wrap
 from flashdraft.train.metrics import MetricSinks, json_rates, mean_rates, truncate_metrics
-from flashdraft.train.step import evaluate_heldout, sequence_step
+from flashdraft.train.step import Planned, batch_step, evaluate_heldout, plan_batch
 
 __all__ = ["BadTrainingInput", "run"]
 
 # Settings that say where or how output is kept, not what is trained: changing them keeps the lineage.
-NOT_LINEAGE = {"device", "target_device", "push_to", "keep_checkpoints"}
+NOT_LINEAGE = {"device", "target_device", "push_to", "keep_checkpoints", "micro_batch", "prefetch"}
 
 
 def run(
@@ -249,6 +250,12 @@ def loop(cfg: TrainConfig, s: Setup, position: dict, sinks: MetricSinks, shipper
     per_rank = len(s.train_ids) // world
     step, last = position["step"], {}
     s.model.train()
+    # Overlap: while the drafter trains on this step, a thread prepares the next one (target features). Worth it
+    # when the target runs on other devices than the drafter; `train.prefetch` forces it either way.
+    overlap = cfg.prefetch if cfg.prefetch is not None else (
+        s.cache is None and s.where.target_device != s.where.device)
+    prefetcher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="prefetch") if overlap else None
+    pending = None  # (epoch, batch index, future of its plans)
     text = "train loss {task.fields[loss]} τ≈{task.fields[tau]} {task.fields[tps]} tok/s"
     with progress(console if rank == 0 else None, text, total=s.total_steps, completed=step, loss="–", tau="–",
                   tps="–") as update:
@@ -260,7 +267,16 @@ def loop(cfg: TrainConfig, s: Setup, position: dict, sinks: MetricSinks, shipper
                 if step >= s.total_steps:
                     break
                 t0 = time.perf_counter()
-                results = accumulate(cfg, s, mine[b * cfg.batch_size : (b + 1) * cfg.batch_size], epoch)
+                batch = mine[b * cfg.batch_size : (b + 1) * cfg.batch_size]
+                if pending is not None and pending[:2] == (epoch, b):
+                    plans = pending[2].result()
+                else:
+                    plans = prepare(cfg, s, batch, epoch)
+                pending = None
+                if prefetcher is not None and b + 1 < s.steps_per_epoch and step + 1 < s.total_steps:
+                    upcoming = mine[(b + 1) * cfg.batch_size : (b + 2) * cfg.batch_size]
+                    pending = (epoch, b + 1, prefetcher.submit(prepare, cfg, s, upcoming, epoch))
+                results = accumulate(cfg, s, plans, len(batch))
                 torch.nn.utils.clip_grad_norm_(s.drafter.parameters(), cfg.grad_clip)
                 s.optimizer.step()
                 s.scheduler.step()
@@ -275,6 +291,8 @@ def loop(cfg: TrainConfig, s: Setup, position: dict, sinks: MetricSinks, shipper
                     if b + 1 == s.steps_per_epoch:
                         position = {"step": step, "epoch": epoch + 1, "batch": 0}
                     # Every rank evaluates (collectives stay in step); rank 0 records and saves.
+                    if pending is not None:
+                        pending[2].result()  # the target is free again before held-out evaluation uses it
                     held = evaluate_heldout(s.model, s.target, s.dataset, s.heldout_ids, cfg, device, s.cache)
                     sinks.log({"step": step, "heldout": held})
                     if rank == 0:
@@ -283,25 +301,37 @@ def loop(cfg: TrainConfig, s: Setup, position: dict, sinks: MetricSinks, shipper
                     barrier(world)
             else:
                 position = {"step": step, "epoch": epoch + 1, "batch": 0}
+    if prefetcher is not None:
+        prefetcher.shutdown(wait=True)
     return position, last
 
 
-def accumulate(cfg: TrainConfig, s: Setup, batch: list[int], epoch: int) -> list[dict]:
-    """Gradients of one optimizer step, one sequence at a time (DDP syncs on the last one only)."""
-    results = []
-    for i, index in enumerate(batch):
-        row = s.dataset[index]
+def prepare(cfg: TrainConfig, s: Setup, batch: list[int], epoch: int) -> list[Planned]:
+    """One optimizer step's micro-batches (`train.micro_batch` sequences each), planned: anchors drawn and the
+    target's features computed. Runs on the prefetch thread when the target and drafter overlap."""
+    plans = []
+    for i in range(0, len(batch), cfg.micro_batch):
+        chunk = batch[i : i + cfg.micro_batch]
+        rows = [s.dataset[index] for index in chunk]
         # Anchors depend only on (seed, epoch, sample): a resumed run draws the same ones.
-        gen = torch.Generator().manual_seed(hash((cfg.seed, epoch, index)) & 0x7FFFFFFF)
-        last_micro = i == len(batch) - 1
-        sync = nullcontext() if last_micro or not hasattr(s.model, "no_sync") else s.model.no_sync()
+        gens = [torch.Generator().manual_seed(hash((cfg.seed, epoch, index)) & 0x7FFFFFFF) for index in chunk]
+        features = None if s.cache is None else [s.cache[index] for index in chunk]
+        plans.append(plan_batch(s.target, [(row["input_ids"], row["loss_mask"]) for row in rows], cfg, gens,
+                                s.drafter.block_size, features))
+    return plans
+
+
+def accumulate(cfg: TrainConfig, s: Setup, plans: list[Planned], sequences: int) -> list[dict]:
+    """Gradients of one optimizer step, one forward pass per planned micro-batch (DDP syncs on the last one
+    only). The step's loss is the mean of the sequences' own losses, whatever the micro-batch size."""
+    results = []
+    for c, plan in enumerate(plans):
+        sync = nullcontext() if c == len(plans) - 1 or not hasattr(s.model, "no_sync") else s.model.no_sync()
         with sync:
-            features = None if s.cache is None else s.cache[index]
-            result = sequence_step(s.model, s.target, row["input_ids"], row["loss_mask"], cfg, gen, s.where.device,
-                                   features)
-            if result is not None:
-                (result["loss"] / len(batch)).backward()
-                results.append(result)
+            done = [r for r in batch_step(s.model, s.target, [], cfg, [], s.where.device, planned=plan) if r]
+            if done:
+                (sum(r["loss"] for r in done) / sequences).backward()
+            results.extend(done)
     return results
 
 

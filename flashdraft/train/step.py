@@ -6,6 +6,7 @@ head scores them. `evaluate_heldout` runs the same step without gradients on fix
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -26,40 +27,101 @@ from flashdraft.train.metrics import json_rates, mean_rates
 
 def sequence_step(model, target: Target, ids_T, mask_T, cfg: TrainConfig, generator, device,
                   features_TF: torch.Tensor | None = None) -> dict | None:
-    """Loss (with grad) and accuracy stats of all blocks of one sequence; None if it has no anchor.
-    `features_TF`: the sequence's cached target features (offline mode); else the target runs now."""
+    """Loss (with grad) and accuracy stats of all blocks of one sequence; None if it has no anchor."""
+    return batch_step(model, target, [(ids_T, mask_T)], cfg, [generator], device, [features_TF])[0]
+
+
+@dataclass
+class Planned:
+    """A micro-batch ready for the drafter: which sequences have anchors, where, and their target features
+    (B × C × F, padded to the longest context). Built by `plan_batch`, possibly on a prefetch thread."""
+
+    count: int  # sequences in the micro-batch, with or without anchors
+    live: list  # (index in the micro-batch, ids, loss mask, anchors) of those with anchors
+    context_len: int
+    features_BCF: torch.Tensor | None
+
+
+def plan_batch(target: Target, rows: list, cfg: TrainConfig, generators: list, block_size: int,
+               features: list | None = None) -> Planned:
+    """Anchors of each sequence, and the target's features for the batch: from the cache (offline mode) or
+    one target pass over the batch (right padding: the target is causal, real positions are unchanged)."""
+    live = []
+    for i, ((ids_T, mask_T), generator) in enumerate(zip(rows, generators, strict=True)):
+        ids_T, mask_T = torch.as_tensor(ids_T[: cfg.max_length]).long(), torch.as_tensor(mask_T[: cfg.max_length])
+        anchors = sample_anchors(mask_T, block_size, cfg.max_anchors, generator)
+        if len(anchors):
+            live.append((i, ids_T, mask_T, anchors))
+    if not live:
+        return Planned(len(rows), [], 0, None)
+    context_len = max(int(anchors.max()) for *_, anchors in live)  # no block sees a position at or after its anchor
+    if features is None or features[live[0][0]] is None:
+        ids_BC = torch.zeros(len(live), context_len, dtype=torch.long)
+        for b, (_, ids_T, _, _) in enumerate(live):
+            ids_BC[b, : min(context_len, len(ids_T))] = ids_T[:context_len]
+        features_BCF = target.features(ids_BC)
+    else:  # a prefix of the whole sequence's cached features is the prefix's features
+        features_BCF = torch.stack([_padded(features[i][:context_len], context_len) for i, *_ in live])
+    return Planned(len(rows), live, context_len, features_BCF)
+
+
+def batch_step(model, target: Target, rows: list, cfg: TrainConfig, generators: list, device,
+               features: list | None = None, planned: Planned | None = None) -> list[dict | None]:
+    """Every block of several sequences in one forward pass: per sequence (in order) its loss (with grad),
+    accuracy stats and sizes, or None if it has no anchor.
+
+    Sequences are padded to the batch's longest context and most anchors: padding context is never attended
+    (a block sees only positions before its anchor), and a padding block (anchor 0) sees only itself and has
+    no loss weight. Each sequence's loss is normalised by its own weights, exactly as one at a time (the
+    equality is tested). `planned`: the micro-batch already planned (anchors, features), e.g. prefetched."""
     drafter: DFlashDrafter = getattr(model, "module", model)
-    ids_T, mask_T = torch.as_tensor(ids_T[: cfg.max_length]).long(), torch.as_tensor(mask_T[: cfg.max_length])
-    anchors = sample_anchors(mask_T, drafter.block_size, cfg.max_anchors, generator)
-    if len(anchors) == 0:
-        return None
-    context_len = int(anchors.max())  # no block sees a position at or after its anchor
-    if features_TF is None:
-        features_TF = target.features(ids_T[None, :context_len])[0]
-    # The target is causal: a prefix of the whole sequence's cached features is the prefix's features.
-    features = features_TF[None, :context_len].to(device=device, dtype=torch.float32)
-    block_ids, positions, labels, weights = build_blocks(
-        ids_T, mask_T, anchors, drafter.block_size, drafter.mask_token_id
-    )
+    k = drafter.block_size
+    plan = planned or plan_batch(target, rows, cfg, generators, k, features)
+    results: list[dict | None] = [None] * plan.count
+    if not plan.live:
+        return results
+    live, context_len = plan.live, plan.context_len
+    n_max = max(len(anchors) for *_, anchors in live)
+    features_BCF = plan.features_BCF.to(device=device, dtype=torch.float32)
+
+    anchors_BN = torch.zeros(len(live), n_max, dtype=torch.long)
+    block_ids = torch.full((len(live), n_max, k), drafter.mask_token_id, dtype=torch.long)
+    positions = torch.zeros(len(live), n_max, k, dtype=torch.long)
+    targets = []
+    for b, (_, ids_T, mask_T, anchors) in enumerate(live):
+        ids_b, pos_b, labels, weights = build_blocks(ids_T, mask_T, anchors, k, drafter.mask_token_id)
+        n = len(anchors)
+        anchors_BN[b, :n], block_ids[b, :n], positions[b, :n] = anchors, ids_b, pos_b
+        positions[b, n:] = torch.arange(k)  # padding blocks: any positions, they see only themselves
+        targets.append((labels, weights))
     embed = target.model.get_input_embeddings()
     with torch.no_grad():
-        block_embeds = embed(block_ids.view(1, -1).to(embed.weight.device)).to(device, torch.float32)
-    allowed = block_masks(anchors, drafter.block_size, context_len, drafter.sliding_window, device)
+        block_embeds = embed(block_ids.view(len(live), -1).to(embed.weight.device)).to(device, torch.float32)
+    allowed = block_masks(anchors_BN if len(live) > 1 else anchors_BN[0], k, context_len, drafter.sliding_window,
+                          device)
     with torch.autocast("cuda", dtype=torch.bfloat16, enabled=str(device).startswith("cuda")):
-        hidden = model(block_embeds, features, positions.view(1, -1).to(device),
-                       torch.arange(context_len, device=device)[None], allowed)
+        hidden = model(block_embeds, features_BCF, positions.view(len(live), -1).to(device),
+                       torch.arange(context_len, device=device)[None].expand(len(live), -1), allowed)
         head = target.head_weight(drafter)
-        logits = (hidden.to(head.device) @ head.T).to(device)
-    loss_weights = weights
-    if drafter.draft_vocab_size:  # labels into the draft vocabulary; a token outside it cannot be proposed
-        labels, inside = drafter.draft_labels(labels)
-        loss_weights = weights * inside
-    n, k = labels.shape
-    loss = weighted_loss(logits.view(n * k, -1), labels.view(-1).clamp(min=0).to(device),
-                         loss_weights.view(-1).to(device))
-    with torch.no_grad():
-        rates = per_position_accuracy(logits.view(n, k, -1).cpu(), labels, weights)
-    return {"loss": loss, "rates": rates, "tokens": int(ids_T.shape[0]), "anchors": n}
+        logits_BSV = (hidden.to(head.device) @ head.T).to(device)
+    for b, (i, ids_T, _, anchors) in enumerate(live):
+        labels, weights = targets[b]
+        n = len(anchors)
+        logits = logits_BSV[b, : n * k]
+        loss_weights = weights
+        if drafter.draft_vocab_size:  # labels into the draft vocabulary; a token outside it cannot be proposed
+            labels, inside = drafter.draft_labels(labels)
+            loss_weights = weights * inside
+        loss = weighted_loss(logits, labels.view(-1).clamp(min=0).to(device), loss_weights.view(-1).to(device))
+        with torch.no_grad():
+            rates = per_position_accuracy(logits.view(n, k, -1).cpu(), labels, weights)
+        results[i] = {"loss": loss, "rates": rates, "tokens": int(ids_T.shape[0]), "anchors": n}
+    return results
+
+
+def _padded(features_CF: torch.Tensor, length: int) -> torch.Tensor:
+    pad = length - features_CF.shape[0]
+    return features_CF if pad == 0 else torch.cat([features_CF, features_CF.new_zeros(pad, features_CF.shape[1])])
 
 
 @torch.no_grad()

@@ -215,6 +215,10 @@ def test_eval_stage_writes_a_verified_report(tmp_path, tiny_model_dir, target, o
     report = json.loads((tmp_path / "eval" / "report.json").read_text())
     assert set(report["by_category"]) == {"a", "b"} and len(report["acceptance_by_position"]) == 7
     assert abs(report["acceptance_length"] - report["acceptance_length_from_rates"]) < 1e-6
+    ratios = sorted(p["target_seconds"] / p["spec_seconds"] for p in report["prompts"])
+    per = report["speedup_per_prompt"]  # median and 10–90 % range of the per-prompt ratios
+    assert per["median"] == round(ratios[1], 3) and ratios[0] <= per["p10"] <= per["median"] <= per["p90"] <= ratios[2]
+    assert stats["speedup_per_prompt"] == per
     assert (tmp_path / "eval" / "acceptance_by_position.png").read_bytes()[:4] == b"\x89PNG"
     lines = []
     run(cfg, tmp_path / "drafter", tmp_path / "eval", log=lines.append)
