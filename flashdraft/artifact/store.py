@@ -14,7 +14,9 @@ import base64
 import logging
 import os
 import re
+from collections import deque
 from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -34,6 +36,7 @@ Progress = Callable[[int], None]  # called with a number of bytes just moved
 
 DEFAULT_PART_SIZE = 64 << 20
 MIN_PART_SIZE = 5 << 20  # S3's floor for every part but the last
+PART_WORKERS = 4  # parts of one multipart upload in flight at once
 
 
 class StoreError(ExpectedFailure):
@@ -245,6 +248,19 @@ class S3Store:
 
     # -- interface
 
+    def abort_incomplete_uploads(self) -> int:
+        """Abort the multipart uploads under this prefix that a killed push left open (the server keeps their
+        parts, and bills them, until then). Pushes to one destination do not run concurrently, so any open
+        upload there is a dead one."""
+        paginator = self.client.get_paginator("list_multipart_uploads")
+        base = f"{self.prefix}/" if self.prefix else ""
+        pages = self._call(f"list uploads {self.url}", lambda **kw: list(paginator.paginate(**kw)), Prefix=base)
+        uploads = [u for page in pages for u in page.get("Uploads", [])]
+        for u in uploads:
+            self._call(f"abort upload {u['Key']}", self.client.abort_multipart_upload, missing_ok=True,
+                       Key=u["Key"], UploadId=u["UploadId"])
+        return len(uploads)
+
     def list(self) -> dict[str, Listed]:
         found: dict[str, Listed] = {}
         paginator = self.client.get_paginator("list_objects_v2")
@@ -295,23 +311,28 @@ class S3Store:
         upload_id = upload["UploadId"]
         digest = StreamingDigest()
         parts = []
+
+        def send(number: int, part: bytes) -> dict:
+            r = self._call(f"upload {entry.path} part {number}", self.client.upload_part, Key=key,
+                           UploadId=upload_id, PartNumber=number, Body=part,
+                           ChecksumCRC64NVME=_b64(f"{crc64nvme(part):016x}"))
+            progress(len(part))
+            return {"PartNumber": number, "ETag": r["ETag"], "ChecksumCRC64NVME": r["ChecksumCRC64NVME"]}
+
+        # Parts go PART_WORKERS at a time (the file is read and hashed in order on this thread); at most that
+        # many parts are held in memory, plus the one being read.
+        pool = ThreadPoolExecutor(max_workers=PART_WORKERS, thread_name_prefix="part")
         try:
+            in_flight: deque = deque()
             with open(local, "rb") as f:
                 number = 0
                 while part := f.read(part_size):
                     number += 1
                     digest.update(part)
-                    r = self._call(
-                        f"upload {entry.path} part {number}",
-                        self.client.upload_part,
-                        Key=key,
-                        UploadId=upload_id,
-                        PartNumber=number,
-                        Body=part,
-                        ChecksumCRC64NVME=_b64(f"{crc64nvme(part):016x}"),
-                    )
-                    parts.append({"PartNumber": number, "ETag": r["ETag"], "ChecksumCRC64NVME": r["ChecksumCRC64NVME"]})
-                    progress(len(part))
+                    if len(in_flight) >= PART_WORKERS:
+                        parts.append(in_flight.popleft().result())
+                    in_flight.append(pool.submit(send, number, part))
+            parts.extend(future.result() for future in in_flight)
             got = digest.digest()
             if got.sha256 != entry.sha256:
                 raise StoreError(f"{entry.path}: local file changed since its manifest was written (sha256 differs)")
@@ -326,11 +347,14 @@ class S3Store:
                 ChecksumType="FULL_OBJECT",
             )
         except BaseException:
+            pool.shutdown(wait=True, cancel_futures=True)  # no part may land after the abort
             try:  # best effort: the server may be what failed; the original error is the one to report
                 self.client.abort_multipart_upload(Bucket=self.bucket, Key=key, UploadId=upload_id)
             except Exception:
                 pass
             raise
+        finally:
+            pool.shutdown(wait=True)
 
     def download(self, rel: str, dest: Path, entry: FileEntry, progress: Progress) -> None:
         body = self._call(f"download {rel}", self.client.get_object, Key=self.key(rel))["Body"]

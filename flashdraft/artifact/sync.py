@@ -227,6 +227,8 @@ def push(
     if remote_manifest is not None:
         store.put_bytes(EARLIER, json.dumps(sorted(earlier)).encode())
         store.delete(MANIFEST)  # the old artifact stops existing before any of its files change
+    if hasattr(store, "abort_incomplete_uploads") and (aborted := store.abort_incomplete_uploads()):
+        log(f"push: aborted {aborted} incomplete multipart upload(s) an earlier push left at {store.url}")
     total = sum(e.size for e in to_send)
     with transfer_progress(console, total, "upload") as advance:
         _transfer_all(lambda e: store.upload(Path(src) / e.path, e, advance, part_size), to_send, jobs)

@@ -60,10 +60,30 @@ def prune_checkpoints(out: Path, keep: int, upto: str | None = None) -> list[str
     return removed
 
 
+def prune_store_checkpoints(push_to: str, keep: int, upto: str) -> list[str]:
+    """`keep_checkpoints` in the store: delete all but the newest `keep` there, called only once checkpoint
+    `upto` verified in the store (so never the newest good one). A checkpoint's manifest is deleted first: what
+    is left of one whose deletion was interrupted never verifies, and is neither resumed from nor kept."""
+    from flashdraft.artifact.store import open_store
+
+    store = open_store(join(push_to, CHECKPOINTS))
+    listed = store.list()
+    names = sorted({key.split("/", 1)[0] for key in listed}, reverse=True)
+    removed = []
+    for name in names[max(1, keep) :]:
+        if name > upto:
+            continue
+        keys = [key for key in listed if key.startswith(f"{name}/")]
+        for key in sorted(keys, key=lambda k: k != f"{name}/{MANIFEST}"):  # the manifest first
+            store.delete(key)
+        removed.append(name)
+    return removed
+
+
 class CheckpointShipper:
-    """Pushes each checkpoint to `train.push_to` (verified there) and prunes old local ones, in one
-    background thread so training does not wait on the network. FIFO: after checkpoint N is pushed, every
-    checkpoint up to N has been, so only those are pruned; newer ones may still wait for their push."""
+    """Pushes each checkpoint to `train.push_to` (verified there) and prunes old ones, locally and in the store,
+    in one background thread so training does not wait on the network. FIFO: after checkpoint N is pushed,
+    every checkpoint up to N has been, so only those are pruned; newer ones may still wait for their push."""
 
     def __init__(self, out: Path, cfg: TrainConfig, log: Callable[[str], None]) -> None:
         from concurrent.futures import ThreadPoolExecutor
@@ -81,7 +101,8 @@ class CheckpointShipper:
     def checkpoint(self, path: Path) -> None:
         def ship() -> None:
             if self.cfg.push_to:
-                self._push(path, f"{CHECKPOINTS}/{path.name}")
+                self._push(path, f"{CHECKPOINTS}/{path.name}")  # returns once it verified in the store
+                prune_store_checkpoints(self.cfg.push_to, self.cfg.keep_checkpoints, upto=path.name)
             prune_checkpoints(self.out, self.cfg.keep_checkpoints, upto=path.name)
 
         self.pending.append(self.pool.submit(ship))

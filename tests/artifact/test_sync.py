@@ -132,6 +132,28 @@ def test_multipart_upload_is_checked_full_object(tmp_path, url, s3env):
     assert store.head(entry.path).matches(entry)
 
 
+def test_a_push_aborts_multipart_uploads_a_killed_push_left_open(tmp_path, url, s3env):
+    """What a push killed mid-upload leaves on the server (an open upload holding parts) is aborted by the next
+    push to that destination; uploads elsewhere in the bucket are not touched."""
+    client = s3env.client()
+    prefix = url[len("s3://flashdraft/"):]
+    dead = client.create_multipart_upload(Bucket="flashdraft", Key=f"{prefix}/f0.bin")["UploadId"]
+    client.upload_part(Bucket="flashdraft", Key=f"{prefix}/f0.bin", UploadId=dead, PartNumber=1,
+                       Body=os.urandom(5 << 20))
+    other = client.create_multipart_upload(Bucket="flashdraft", Key=f"{prefix}-elsewhere/x.bin")["UploadId"]
+
+    def open_uploads(under: str) -> list[str]:
+        return [u["UploadId"] for u in client.list_multipart_uploads(Bucket="flashdraft", Prefix=under)
+                .get("Uploads", [])]
+
+    assert open_uploads(f"{prefix}/") == [dead]
+    lines = []
+    push(make_artifact(tmp_path / "a"), open_store(url), log=lines.append)
+    assert open_uploads(f"{prefix}/") == [] and any("aborted 1 incomplete multipart upload" in x for x in lines)
+    assert open_uploads(f"{prefix}-elsewhere/") == [other]
+    client.abort_multipart_upload(Bucket="flashdraft", Key=f"{prefix}-elsewhere/x.bin", UploadId=other)
+
+
 def test_manifest_is_a_conditional_create(tmp_path, url):
     a = make_artifact(tmp_path / "a")
     store = open_store(url)

@@ -139,8 +139,10 @@ def test_checkpoints_are_pushed_verified_and_old_ones_pruned(tiny_target, tiny_d
     out, lines = tmp_path / "out", []
     run(tiny_cfg(tiny_target, epochs=2, keep_checkpoints=2, push_to=url), tiny_dataset, out, log=lines.append)
     assert [p.name for p in sorted((out / "checkpoints").iterdir())] == ["step-0000008", "step-0000010"]
-    for name in ("checkpoints/step-0000002", "checkpoints/step-0000005", "checkpoints/step-0000010", "drafter"):
+    for name in ("checkpoints/step-0000008", "checkpoints/step-0000010", "drafter"):
         assert verify_store(open_store(f"{url}/{name}")) == [], name
+    # keep_checkpoints holds in the store too: older ones deleted once a newer one verified there
+    assert {key.split("/")[0] for key in open_store(f"{url}/checkpoints").list()} == {"step-0000008", "step-0000010"}
     assert sum(line.startswith("push:") and "verified" in line for line in lines) == 7  # 6 checkpoints + the drafter
     assert lines[-1].startswith("train: done, verified")  # said only after every push verified
 
