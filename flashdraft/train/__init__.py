@@ -52,6 +52,7 @@ from flashdraft.model.target import Target, attention_layers
 from flashdraft.progress import progress
 from flashdraft.train.checkpoint import (
     CheckpointShipper,
+    full_state,
     latest_checkpoint,
     load_checkpoint,
     other_work,
@@ -129,7 +130,7 @@ def run(
     s = setup(cfg, data, out, target_path, where, console, say)
     position = {"step": 0, "epoch": 0, "batch": 0}
     if resume is not None:
-        position = load_checkpoint(resume, s.drafter, s.optimizer, s.scheduler)
+        position = load_checkpoint(resume, s.model, s.optimizer, s.scheduler)
         say(f"train: resuming from {resume.name} (step {position['step']}, epoch {position['epoch']})")
     if where.rank == 0:
         truncate_metrics(out / "metrics.jsonl", position["step"])
@@ -143,6 +144,7 @@ def run(
     position, last = loop(cfg, s, position, sinks, shipper, lineage, out, console)
     held = evaluate_heldout(s.model, s.target, s.dataset, s.heldout_ids, cfg, where.device, s.cache)
     sinks.close()
+    final = whole_drafter(s)  # every rank: under FSDP the weights are gathered from the shards
     if where.rank != 0:
         shipper.wait()
         barrier(where.world)
@@ -156,7 +158,7 @@ def run(
         "seconds": round(time.perf_counter() - started, 1),
         "world_size": where.world,
     }
-    shipper.drafter(save_drafter(s.drafter, drafter_dir, stats=stats, lineage=lineage, dtype=cfg.export_dtype,
+    shipper.drafter(save_drafter(final, drafter_dir, stats=stats, lineage=lineage, dtype=cfg.export_dtype,
                                  target_lm_head=s.target.lm_head.weight))
     shipper.wait()
     tau = held["simulated_acceptance_length"]
@@ -164,6 +166,18 @@ def run(
         + (f"{tau:.2f}" if tau is not None else "– (no held-out sample)"))
     barrier(where.world)
     return stats
+
+
+def whole_drafter(s: Setup) -> DFlashDrafter:
+    """The trained drafter with all its weights in one place, to export: itself, or under FSDP (whose module
+    holds only this rank's shards) a copy loaded from the gathered weights (on rank 0)."""
+    if not hasattr(s.model, "reshard"):  # not FSDP (fully_shard adds `reshard`): the module holds whole tensors
+        return s.drafter
+    weights, _ = full_state(s.model, s.optimizer)
+    whole = DFlashDrafter(s.drafter.config)
+    if s.where.rank == 0:
+        whole.load_state_dict(weights)
+    return whole
 
 
 @dataclass
@@ -295,8 +309,9 @@ def loop(cfg: TrainConfig, s: Setup, position: dict, sinks: MetricSinks, shipper
                         pending[2].result()  # the target is free again before held-out evaluation uses it
                     held = evaluate_heldout(s.model, s.target, s.dataset, s.heldout_ids, cfg, device, s.cache)
                     sinks.log({"step": step, "heldout": held})
+                    state = full_state(s.model, s.optimizer)  # every rank: FSDP gathers its shards
                     if rank == 0:
-                        saved = save_checkpoint(out, step, s.model, s.optimizer, s.scheduler, position, lineage)
+                        saved = save_checkpoint(out, step, state, s.scheduler, position, lineage)
                         shipper.checkpoint(saved)
                     barrier(world)
             else:

@@ -28,23 +28,37 @@ def checkpoint_dirs(out: Path) -> list[Path]:
     return sorted(root.glob("step-*"), reverse=True) if root.is_dir() else []
 
 
-def save_checkpoint(out: Path, step: int, model, optimizer, scheduler, position: dict, lineage: Lineage) -> Path:
-    """A checkpoint is an artifact: weights, optimizer + scheduler, data position; committed in one rename."""
+def full_state(model, optimizer) -> tuple[dict, dict]:
+    """The whole drafter's weights and optimizer state, on CPU, keyed by parameter name. Under FSDP they are
+    gathered from every rank's shards: a collective, so every rank calls it, and rank 0 gets the result (the
+    others get empty dicts). The same call serves DDP and a single process, so a checkpoint reads the same
+    whichever way it was written."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+    return get_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+
+def save_checkpoint(out: Path, step: int, state: tuple[dict, dict], scheduler, position: dict,
+                    lineage: Lineage) -> Path:
+    """A checkpoint is an artifact: weights, optimizer + scheduler, data position; committed in one rename.
+    `state`: what `full_state` returned (on rank 0, which alone writes)."""
     final = out / CHECKPOINTS / f"step-{step:07d}"
-    drafter = getattr(model, "module", model)
+    weights, optimizer_state = state
     with commit_dir(final, "checkpoint", stats=position, lineage=lineage) as tmp:
-        weights = {k: v.detach().cpu().contiguous() for k, v in drafter.state_dict().items()}
-        save_file(weights, str(tmp / "drafter.safetensors"))
-        torch.save({"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict()}, tmp / "optimizer.pt")
+        save_file({k: v.detach().cpu().contiguous() for k, v in weights.items()}, str(tmp / "drafter.safetensors"))
+        torch.save({"optimizer": optimizer_state, "scheduler": scheduler.state_dict()}, tmp / "optimizer.pt")
         atomic_write_text(tmp / "position.json", json.dumps(position))
     return final
 
 
-def load_checkpoint(path: Path, drafter, optimizer, scheduler) -> dict:
-    """Restore what `save_checkpoint` wrote; returns the data position (step, epoch, batch) to continue from."""
-    drafter.load_state_dict(load_file(str(path / "drafter.safetensors")))
+def load_checkpoint(path: Path, model, optimizer, scheduler) -> dict:
+    """Restore what `save_checkpoint` wrote, on every rank (each reads the whole checkpoint; FSDP keeps its own
+    shard of it); returns the data position (step, epoch, batch) to continue from."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
+
     state = torch.load(path / "optimizer.pt", weights_only=False)
-    optimizer.load_state_dict(state["optimizer"])
+    set_state_dict(model, optimizer, model_state_dict=load_file(str(path / "drafter.safetensors")),
+                   optim_state_dict=state["optimizer"], options=StateDictOptions(full_state_dict=True))
     scheduler.load_state_dict(state["scheduler"])
     return json.loads((path / "position.json").read_text())
 

@@ -296,6 +296,45 @@ def test_two_process_ddp_matches_single_process_on_the_same_global_batch(tiny_ta
         assert all(torch.allclose(a[k], b[k], atol=1e-5) for k in a), step
 
 
+def torchrun(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = str(sock.getsockname()[1])
+    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
+                           port, "-m", "flashdraft", *args], capture_output=True, text=True,
+                          env=dict(os.environ, OMP_NUM_THREADS="1"), timeout=timeout)
+
+
+@pytest.mark.slow
+def test_fsdp_checkpoints_save_restore_and_export_the_whole_drafter(tiny_target, tiny_dataset, tmp_path):
+    """FSDP on 2 CPU processes (gloo): each checkpoint holds the whole drafter (gathered from the shards) and
+    equals a single process's on the same global batch; a run resumed from a checkpoint into the shards ends
+    with the weights of an uninterrupted run; the export is the whole trained drafter."""
+    single = write_config(tmp_path / "single.yaml", tiny_target, batch_size=2, max_steps=4, checkpoint_every=2)
+    fsdp = write_config(tmp_path / "fsdp.yaml", tiny_target, batch_size=1, max_steps=4, checkpoint_every=2,
+                        fsdp=True)
+    subprocess.run([sys.executable, "-m", "flashdraft", "train", "--config", str(single), "--data",
+                    str(tiny_dataset), "--out", str(tmp_path / "one")], check=True, capture_output=True)
+    args = ["train", "--config", str(fsdp), "--data", str(tiny_dataset)]
+    proc = torchrun(*args, "--out", str(tmp_path / "two"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for step in ("step-0000002", "step-0000004"):
+        a = load_file(str(tmp_path / "one" / "checkpoints" / step / "drafter.safetensors"))
+        b = load_file(str(tmp_path / "two" / "checkpoints" / step / "drafter.safetensors"))
+        assert a.keys() == b.keys() and all(torch.allclose(a[k], b[k], atol=1e-5) for k in a), step
+    final = load_file(str(tmp_path / "two" / "checkpoints" / "step-0000004" / "drafter.safetensors"))
+    exported = load_file(str(tmp_path / "two" / "drafter" / "model.safetensors"))
+    assert all(torch.equal(exported[k], final[k].to(torch.bfloat16)) for k in exported)  # whole, not a shard
+
+    # Resume under FSDP: from step 2, into the shards, to the same end.
+    shutil.rmtree(tmp_path / "two" / "drafter")
+    shutil.rmtree(tmp_path / "two" / "checkpoints" / "step-0000004")
+    again = torchrun(*args, "--out", str(tmp_path / "two"))
+    assert again.returncode == 0 and "resuming from step-0000002" in again.stdout + again.stderr
+    resumed = load_file(str(tmp_path / "two" / "checkpoints" / "step-0000004" / "drafter.safetensors"))
+    assert all(torch.allclose(resumed[k], final[k], atol=1e-6) for k in final)
+
+
 def test_init_from_an_existing_drafter_starts_from_its_weights(tiny_target, tiny_dataset, tmp_path):
     first = tmp_path / "first"
     run(tiny_cfg(tiny_target, max_steps=4), tiny_dataset, first, log=quiet)
