@@ -6,7 +6,8 @@
 
 `--batching B` compares instead the optimizer step over B sequences (lengths jittered ±25 % around each
 length, like real data) done one sequence per forward pass (`train.micro_batch: 1`) against all B in one
-padded forward pass (`train.micro_batch: B`, flashdraft's default), same anchors, same math.
+padded forward pass (`train.micro_batch: B`, flashdraft's default; grouped as training groups them, padding
+at most 25 % of the real tokens), same anchors, same math.
 
 For each mode and sequence length: tokens/s and peak RSS of full training steps (drafter forward and
 backward, LM head, AdamW step; with `online-full` also the target's forward for the features and the full
@@ -105,6 +106,7 @@ def batch_worker(length: int, batch: int, anchors: int, layers: int, block: int,
     from flashdraft.model.drafter import DFlashDrafter, draft_config
     from flashdraft.model.resolve import resolve_model
     from flashdraft.model.target import Target
+    from flashdraft.train import micro_batches
     from flashdraft.train.step import batch_step, sequence_step
 
     torch.manual_seed(0)
@@ -129,9 +131,11 @@ def batch_worker(length: int, batch: int, anchors: int, layers: int, block: int,
 
     def step():
         gens = [torch.Generator().manual_seed(i) for i in range(batch)]
-        if batched:
-            results = batch_step(drafter, target, rows, cfg, gens, "cpu", cached)
-            (sum(r["loss"] for r in results) / batch).backward()
+        if batched:  # grouped as training groups them (padding bounded by MAX_PADDING)
+            for group in micro_batches(list(range(batch)), lengths, batch):
+                results = batch_step(drafter, target, [rows[i] for i in group], cfg, [gens[i] for i in group], "cpu",
+                                     cached and [cached[i] for i in group])
+                (sum(r["loss"] for r in results if r is not None) / batch).backward()
         else:
             for i, ((ids, mask), gen) in enumerate(zip(rows, gens, strict=True)):
                 result = sequence_step(drafter, target, ids, mask, cfg, gen, "cpu", cached and cached[i])

@@ -321,17 +321,38 @@ def loop(cfg: TrainConfig, s: Setup, position: dict, sinks: MetricSinks, shipper
     return position, last
 
 
+# A micro-batch pads its sequences to the longest: on a compute-bound device (CPU) the padding costs more
+# than batching saves once it passes about a quarter of the real tokens (benchmarks/RESULTS.md, train batching).
+MAX_PADDING = 0.25
+
+
+def micro_batches(batch: list[int], lengths: list[int], size: int) -> list[list[int]]:
+    """The step's sequences, shortest first, in groups of at most `size` whose padding to the group's longest
+    stays within MAX_PADDING of their real tokens. Grouping changes no number: each sequence's loss is its own."""
+    order = sorted(range(len(batch)), key=lambda i: lengths[i])
+    groups: list[list[int]] = []
+    for i in order:
+        group = groups[-1] if groups else None
+        if group is not None and len(group) < size:
+            real = sum(lengths[j] for j in group) + lengths[i]
+            if (len(group) + 1) * lengths[i] <= (1 + MAX_PADDING) * real:
+                group.append(i)
+                continue
+        groups.append([i])
+    return [[batch[i] for i in group] for group in groups]
+
+
 def prepare(cfg: TrainConfig, s: Setup, batch: list[int], epoch: int) -> list[Planned]:
-    """One optimizer step's micro-batches (`train.micro_batch` sequences each), planned: anchors drawn and the
-    target's features computed. Runs on the prefetch thread when the target and drafter overlap."""
+    """One optimizer step's micro-batches (up to `train.micro_batch` sequences each), planned: anchors drawn
+    and the target's features computed. Runs on the prefetch thread when the target and drafter overlap."""
+    rows = {index: s.dataset[index] for index in batch}
+    lengths = [min(len(rows[index]["input_ids"]), cfg.max_length) for index in batch]
     plans = []
-    for i in range(0, len(batch), cfg.micro_batch):
-        chunk = batch[i : i + cfg.micro_batch]
-        rows = [s.dataset[index] for index in chunk]
+    for chunk in micro_batches(batch, lengths, cfg.micro_batch):
         # Anchors depend only on (seed, epoch, sample): a resumed run draws the same ones.
         gens = [torch.Generator().manual_seed(hash((cfg.seed, epoch, index)) & 0x7FFFFFFF) for index in chunk]
         features = None if s.cache is None else [s.cache[index] for index in chunk]
-        plans.append(plan_batch(s.target, [(row["input_ids"], row["loss_mask"]) for row in rows], cfg, gens,
+        plans.append(plan_batch(s.target, [(rows[i]["input_ids"], rows[i]["loss_mask"]) for i in chunk], cfg, gens,
                                 s.drafter.block_size, features))
     return plans
 
