@@ -25,7 +25,7 @@ from rich.markup import escape
 from flashdraft import __version__
 from flashdraft.config import load_config
 from flashdraft.errors import ExpectedFailure
-from flashdraft.layout import DRAFTER, stage_dir, train_dir
+from flashdraft.layout import DRAFTER, generate_dir, stage_dir, train_dir
 
 console = Console(highlight=False, soft_wrap=True)
 err_console = Console(stderr=True, highlight=False, soft_wrap=True)
@@ -150,7 +150,7 @@ def generate(
     cfg = load_config(config, overrides)
     if not 0 <= cfg.generate.shard_index < cfg.generate.num_shards:
         fail(f"--shard-index must be in 0..{cfg.generate.num_shards - 1}")
-    out = out or stage_dir(cfg.workdir, "generate")
+    out = out or generate_dir(cfg.workdir, cfg.generate.shard_index, cfg.generate.num_shards)
     stats = stage.run(cfg.generate, out, upload_to=upload_to, console=err_console, log=human(json_out).print)
     if json_out:
         emit_json({"path": str(out), **stats})
@@ -187,6 +187,10 @@ def tokenize(
     out = out or stage_dir(cfg.workdir, "tokenize")
     if not input and show:
         return stage.show(out, show, human(json_out), cfg.tokenize.tokenizer)
+    if not input:  # the workdir's generate artifact, or all its shards (each must verify)
+        from flashdraft.pipeline import require_shards
+
+        require_shards(cfg.workdir, cfg.generate.num_shards)
     source = list(input) if input else stage_dir(cfg.workdir, "generate")
     stats = stage.run(cfg.tokenize, source, out, console=err_console, log=human(json_out).print)
     if show:

@@ -3,6 +3,8 @@ paths are defined (the CLI's defaults, `run`, `status`, `demo`, `run --store` an
 
     local (workdir/…)     store ({store}/…)      what
     generate              generate               completions (generate's artifact)
+    generate/shard-I      generate/shard-I       with generate.num_shards N > 1: host I's completions; tokenize
+                                                 reads generate/ (the directory of all N) once all N verify
     dataset               dataset                the tokenized dataset
     train/                train/                 checkpoints/step-N/, metrics.jsonl, features/ (train's --out)
     train/drafter         train/drafter          the exported drafter (train's artifact)
@@ -26,6 +28,18 @@ ARTIFACTS = {"generate": "generate", "tokenize": "dataset", "train": f"{TRAIN_DI
 def stage_dir(workdir: str | Path, stage: str) -> Path:
     """The local directory of `stage`'s artifact."""
     return Path(workdir) / ARTIFACTS[stage]
+
+
+def generate_parts(num_shards: int) -> list[str]:
+    """generate's artifacts, relative to the workdir (and the store): one, or one per shard."""
+    if num_shards <= 1:
+        return [ARTIFACTS["generate"]]
+    return [f"{ARTIFACTS['generate']}/shard-{i}" for i in range(num_shards)]
+
+
+def generate_dir(workdir: str | Path, shard_index: int, num_shards: int) -> Path:
+    """Where generate writes on the host that runs shard `shard_index` of `num_shards`."""
+    return Path(workdir) / generate_parts(num_shards)[shard_index if num_shards > 1 else 0]
 
 
 def stage_url(store: str, stage: str) -> str:

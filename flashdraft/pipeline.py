@@ -13,11 +13,30 @@ verifies only in the store is pulled instead of rebuilt.
 from __future__ import annotations
 
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from flashdraft.config import PipelineConfig
 from flashdraft.errors import BadInput
-from flashdraft.layout import STAGES, stage_dir, stage_url, train_dir, train_url
+from flashdraft.layout import STAGES, generate_dir, generate_parts, join, stage_dir, stage_url, train_dir, train_url
+
+
+class ShardsMissing(BadInput):
+    """Tokenize needs every generate shard; some are not verified here or in the store yet."""
+
+
+def require_shards(workdir, num_shards: int) -> None:
+    """With generate.num_shards N > 1: every shard artifact must verify locally before tokenize reads them."""
+    from flashdraft.artifact.manifest import verify_dir
+
+    if num_shards <= 1:
+        return
+    missing = [part for part in generate_parts(num_shards) if verify_dir(Path(workdir) / part)]
+    if missing:
+        raise ShardsMissing(
+            f"tokenize needs all {num_shards} generate shards; {len(missing)} not verified: {', '.join(missing)}. "
+            "Run `flashdraft run --until generate` with generate.shard_index set on the hosts that own them "
+            "(with --store, their pushes are pulled here), then rerun")
 
 
 def selected(from_stage: str | None, until: str | None) -> list[str]:
@@ -45,26 +64,45 @@ def run_pipeline(
     train_cfg = cfg.train
     if cfg.store and not train_cfg.push_to:  # checkpoints go to the store too, beside the drafter
         train_cfg = train_cfg.model_copy(update={"push_to": train_url(cfg.store)})
+    shards = cfg.generate.num_shards
+    mine = generate_dir(work, cfg.generate.shard_index, shards)  # this host's generate artifact
+
+    def tokenize_all():
+        require_shards(work, shards)
+        return tokenize.run(cfg.tokenize, stage_dir(work, "generate"), stage_dir(work, "tokenize"), console=console,
+                            log=log)
+
     steps = {
-        "generate": lambda: generate.run(cfg.generate, stage_dir(work, "generate"), console=console, log=log),
-        "tokenize": lambda: tokenize.run(cfg.tokenize, stage_dir(work, "generate"), stage_dir(work, "tokenize"),
-                                         console=console, log=log),
+        "generate": lambda: generate.run(cfg.generate, mine, console=console, log=log),
+        "tokenize": tokenize_all,
         "train": lambda: train.run(train_cfg, stage_dir(work, "tokenize"), train_dir(work), console=console, log=log),
         "eval": lambda: evaluate.run(cfg.eval, stage_dir(work, "train"), stage_dir(work, "eval"), log=log),
     }
     results = {}
     chosen = selected(from_stage, until)
+
+    def places(stage: str, every_shard: bool) -> list[tuple]:
+        """(local, store) pairs of a stage's artifacts: generate's is this host's shard, or all of them (what
+        tokenize reads)."""
+        if stage == "generate":
+            parts = generate_parts(shards) if every_shard else [mine.relative_to(work).as_posix()]
+            return [(Path(work) / part, join(cfg.store, part)) for part in parts]
+        return [(stage_dir(work, stage), stage_url(cfg.store, stage))]
+
     for stage in chosen:
         if cfg.store:
             before = STAGES[STAGES.index(stage) - 1] if stage != STAGES[0] else None
-            for needed in ([before] if before and before not in chosen else []) + [stage]:
-                fetch_verified(stage_dir(work, needed), stage_url(cfg.store, needed), log)
+            inputs = [before] if before and (before not in chosen or before == "generate") else []
+            for needed in inputs + [stage]:
+                for local, remote in places(needed, every_shard=needed != stage):
+                    fetch_verified(local, remote, log)
         results[stage] = steps[stage]()
         if cfg.store:
             from flashdraft.artifact.store import open_store
             from flashdraft.artifact.sync import push
 
-            log(push(stage_dir(work, stage), open_store(stage_url(cfg.store, stage)), log=log).line())
+            (local, remote), = places(stage, every_shard=False)  # generate: this host's shard only
+            log(push(local, open_store(remote), log=log).line())
     return results
 
 

@@ -6,12 +6,13 @@ in the store. Everything is checked at call time; nothing is taken from what a s
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 from rich.table import Table
 
 from flashdraft.config import PipelineConfig
-from flashdraft.layout import STAGES, stage_dir, stage_url
+from flashdraft.layout import STAGES, generate_parts, join, stage_dir, stage_url
 
 KEY_STATS = {
     "generate": ("records", "errors", "truncated"),
@@ -26,8 +27,10 @@ def pipeline_status(cfg: PipelineConfig, store: str | None = None) -> list[dict[
     from flashdraft.artifact.manifest import read_manifest, verify_dir
 
     rows = []
-    for stage in STAGES:
-        path = stage_dir(cfg.workdir, stage)
+    places = [("generate", part) for part in generate_parts(cfg.generate.num_shards)]  # one row per shard
+    places += [(stage, None) for stage in STAGES[1:]]
+    for stage, part in places:
+        path = stage_dir(cfg.workdir, stage) if part is None else Path(cfg.workdir) / part
         problems = verify_dir(path)
         stats = read_manifest(path).stats if not problems else {}
         row = {
@@ -43,7 +46,7 @@ def pipeline_status(cfg: PipelineConfig, store: str | None = None) -> list[dict[
             from flashdraft.artifact.store import open_store
             from flashdraft.artifact.sync import verify_store
 
-            remote = stage_url(store, stage)
+            remote = stage_url(store, stage) if part is None else join(store, part)
             remote_problems = verify_store(open_store(remote))
             reason = str(remote_problems[0]) if remote_problems else "listing and checksums match"
             rows.append(
