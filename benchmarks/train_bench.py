@@ -84,8 +84,12 @@ def worker(length: int, anchors: int, layers: int, naive: bool, steps: int, mode
             loss = weighted_loss((hidden @ head.T).view(16, -1), labels.view(-1), weights.view(-1)) / len(chosen)
             loss.backward()
 
-    step = per_block if naive else one_pass
-    step()  # warm-up
+    return timed_steps(per_block if naive else one_pass, optimizer, steps, length)
+
+
+def timed_steps(step, optimizer, steps: int, tokens: int) -> dict:
+    """Seconds per optimizer step (after one warm-up), tokens/s and this process's peak RSS."""
+    step()
     optimizer.zero_grad()
     start = time.perf_counter()
     for _ in range(steps):
@@ -93,7 +97,7 @@ def worker(length: int, anchors: int, layers: int, naive: bool, steps: int, mode
         optimizer.step()
         optimizer.zero_grad()
     seconds = (time.perf_counter() - start) / steps
-    return {"seconds_per_step": seconds, "tokens_per_s": length / seconds,
+    return {"seconds_per_step": seconds, "tokens_per_s": tokens / seconds,
             "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
 
 
@@ -141,16 +145,7 @@ def batch_worker(length: int, batch: int, anchors: int, layers: int, block: int,
                 result = sequence_step(drafter, target, ids, mask, cfg, gen, "cpu", cached and cached[i])
                 (result["loss"] / batch).backward()
 
-    step()  # warm-up
-    optimizer.zero_grad()
-    start = time.perf_counter()
-    for _ in range(steps):
-        step()
-        optimizer.step()
-        optimizer.zero_grad()
-    seconds = (time.perf_counter() - start) / steps
-    return {"seconds_per_step": seconds, "tokens_per_s": sum(lengths) / seconds,
-            "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
+    return timed_steps(step, optimizer, steps, sum(lengths))
 
 
 def batching(args) -> None:

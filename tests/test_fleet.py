@@ -23,14 +23,16 @@ import socket
 import subprocess
 import sys
 import time
-import urllib.request
 import uuid
+from contextlib import ExitStack
 from pathlib import Path
 
 import pytest
 import torch
 import yaml
 from safetensors.torch import load_file
+
+from flashdraft.testing import transformers_serve
 
 pytestmark = pytest.mark.slow
 
@@ -91,26 +93,6 @@ def torchrun(port: int) -> list[str]:
             "-m", "flashdraft"]
 
 
-def serve(model: str, log: Path) -> tuple[subprocess.Popen, str]:
-    port = free_port()
-    server = subprocess.Popen([str(Path(sys.executable).parent / "transformers"), "serve", model, "--host",
-                               "127.0.0.1", "--port", str(port)], stdout=open(log, "w"), stderr=subprocess.STDOUT,
-                              start_new_session=True)
-    return server, f"http://127.0.0.1:{port}"
-
-
-def wait_healthy(server: subprocess.Popen, url: str, log: Path) -> None:
-    deadline = time.time() + 180
-    while True:
-        try:
-            urllib.request.urlopen(f"{url}/health", timeout=2)
-            return
-        except OSError:
-            if server.poll() is not None or time.time() > deadline:
-                pytest.fail(f"transformers serve did not start: {log.read_text()[-2000:]}")
-            time.sleep(0.5)
-
-
 def curve(train_dir: Path) -> dict[int, float]:
     return {m["step"]: m["loss"] for m in map(json.loads, (train_dir / "metrics.jsonl").open()) if "loss" in m}
 
@@ -130,18 +112,12 @@ def test_a_fleet_of_machines_runs_the_pipeline_through_the_store(tmp_path, s3env
         return [o["Key"][len(prefix) + 1 :] for o in found]
 
     # Two generation hosts, each with its own server, generating and pushing its shard.
-    servers = [serve(smollm2_dir, tmp_path / f"serve-{i}.log") for i in range(2)]
-    try:
-        for i, (server, url) in enumerate(servers):
-            wait_healthy(server, url, tmp_path / f"serve-{i}.log")
-        for i, (_, url) in enumerate(servers):
+    with ExitStack() as servers:
+        urls = [servers.enter_context(transformers_serve(smollm2_dir, tmp_path / f"serve-{i}.log")) for i in range(2)]
+        for i, url in enumerate(urls):
             host = f"gen-host-{i}"
             fleet.run(host, ["run", str(fleet.config(host, shard=i, base_url=f"{url}/v1")), "--until", "generate",
                              "--store", store])
-    finally:
-        for server, _ in servers:
-            os.killpg(server.pid, signal.SIGTERM)
-            server.wait(30)
     assert {k.split("/")[1] for k in in_store("generate/") if k.endswith("manifest.json")} == {"shard-0", "shard-1"}
 
     # The CPU box refuses to tokenize until both shards verify; with the store it pulls them.

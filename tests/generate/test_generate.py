@@ -228,25 +228,10 @@ def _free_port() -> int:
 
 @pytest.mark.slow
 def test_openai_backend_against_transformers_serve(cli, tmp_path, tiny_model_dir):
-    import urllib.request
+    from flashdraft.testing import transformers_serve
 
-    port = _free_port()
-    serve = Path(sys.executable).parent / "transformers"
-    log = open(tmp_path / "serve.log", "w")
-    server = subprocess.Popen(
-        [str(serve), "serve", tiny_model_dir, "--host", "127.0.0.1", "--port", str(port)],
-        stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-    )
-    try:
-        deadline = time.time() + 120
-        while True:
-            try:
-                urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2)
-                break
-            except OSError:
-                if server.poll() is not None or time.time() > deadline:
-                    pytest.fail(f"transformers serve did not start: {(tmp_path / 'serve.log').read_text()[-2000:]}")
-                time.sleep(0.5)
+    with transformers_serve(tiny_model_dir, tmp_path / "serve.log") as url:
+        port = int(url.rsplit(":", 1)[1])
         src = prompts_file(tmp_path / "p.jsonl", 6)
         out = tmp_path / "gen"
         args = ["generate", "--prompts", src, "--out", str(out), "--backend", "openai", "--max-new-tokens", "8",
@@ -284,10 +269,6 @@ def test_openai_backend_against_transformers_serve(cli, tmp_path, tiny_model_dir
         done = {r["messages"][0]["content"]: r for r in records(tmp_path / "agent")}
         assert done["Find it."]["tools"] == tools and done["Find it."]["messages"][2]["role"] == "tool"
         assert done["Find it."]["messages"][1]["content"] != ""  # the target's own turn replaced the tool call
-    finally:
-        os.killpg(server.pid, signal.SIGTERM)
-        server.wait(30)
-        log.close()
 
 
 @pytest.mark.slow
