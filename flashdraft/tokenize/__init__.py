@@ -137,7 +137,7 @@ def run(
         "block_size": cfg.block_size,
         "prompt_token_mismatches": totals.prompt_mismatches,
         "completion_token_id_mismatches": totals.token_id_mismatches,
-        "unstable_turns_skipped": totals.unstable_turns,
+        "turns_as_own_samples": totals.turns_as_own_samples,
         "length_histogram": {
             f"{lo}-{hi}": int(n)
             for lo, hi, n in zip(

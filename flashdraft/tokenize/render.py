@@ -108,24 +108,31 @@ class Renderer:
         )
 
     def spans(self, messages: list[dict[str, Any]], thinking: bool, final_only: bool,
-              tools: list[dict[str, Any]] | None = None) -> tuple[str, list, str, int]:
-        """(full text, [(start, end)] of trained turns, the final turn's prompt text, turns skipped as unstable).
+              tools: list[dict[str, Any]] | None = None) -> tuple[str, list, str, list]:
+        """(full text, [(start, end)] of trained turns, the final turn's prompt text, own samples).
         A trained turn's span is all the template renders for it — its tool calls included; tool results are
-        their own (`tool`) turns and never trained on."""
+        their own (`tool`) turns and never trained on. A turn the template renders differently once later turns
+        follow (Qwen3 drops an earlier turn's reasoning) cannot be masked in the full text: it becomes its own
+        sample — the conversation through that turn, rendered as when the target produced it — listed as
+        (turn index, text, span, prompt text)."""
         msgs = self.template_messages(messages)
         full = self.render(msgs, thinking, tools=tools)
         assistant = [i for i, m in enumerate(msgs) if m["role"] == "assistant"]
         trained = assistant[-1:] if final_only else assistant
-        spans, skipped, prompt_text = [], 0, ""
+        spans, own, prompt_text = [], [], ""
         for i in trained:
             before = self.render(msgs[:i], thinking, generation_prompt=True, tools=tools)
             through = full if i == len(msgs) - 1 else self.render(msgs[: i + 1], thinking, tools=tools)
-            if not (full.startswith(through) and through.startswith(before)):
-                # e.g. Qwen3 renders an earlier turn differently once a later user turn exists.
-                if i == assistant[-1]:
-                    raise BadRecord(f"chat template renders turn {i} differently in context; cannot place its mask")
-                skipped += 1
+            if full.startswith(through) and through.startswith(before):
+                spans.append((len(before), len(through)))
+                prompt_text = before
                 continue
-            spans.append((len(before), len(through)))
-            prompt_text = before
-        return full, spans, prompt_text, skipped
+            if i == assistant[-1]:
+                raise BadRecord(f"chat template renders turn {i} differently in context; cannot place its mask")
+            alone = self.template_messages(messages[: i + 1])  # turn i last: with its own reasoning
+            text = self.render(alone, thinking, tools=tools)
+            before = self.render(alone[:i], thinking, generation_prompt=True, tools=tools)
+            if not text.startswith(before):
+                raise BadRecord(f"chat template renders turn {i}'s prompt differently; cannot place its mask")
+            own.append((i, text, (len(before), len(text)), before))
+        return full, spans, prompt_text, own

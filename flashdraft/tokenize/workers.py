@@ -43,7 +43,7 @@ class ChunkResult:
     truncated: int = 0
     prompt_mismatches: int = 0
     token_id_mismatches: int = 0
-    unstable_turns: int = 0
+    turns_as_own_samples: int = 0
     # Stats of the rows, summed in the worker so the parent process only collects and writes
     loss_tokens: int = 0
     anchor_valid: int = 0
@@ -98,16 +98,18 @@ def process_chunk(items: list[Item]) -> ChunkResult:
     for source, line, raw in items:
         try:
             record = conversation(raw, from_generate)
-            text, spans, prompt_text, skipped = renderer.spans(record.messages, record.thinking, record.final_only,
-                                                                   record.tools)
+            text, spans, prompt_text, own = renderer.spans(record.messages, record.thinking, record.final_only,
+                                                           record.tools)
         except BadRecord as e:
             result.rejected.append({"file": source, "line": line, "reason": str(e)})
             continue
         except Exception as e:  # a template error on odd input is that record's problem, not the run's
             result.rejected.append({"file": source, "line": line, "reason": f"chat template failed: {e}"})
             continue
-        result.unstable_turns += skipped
+        result.turns_as_own_samples += len(own)
         prepared.append(Prepared(source, line, record.id, text, spans, prompt_text, record.token_ids))
+        prepared.extend(Prepared(source, line, f"{record.id}#turn{i}", own_text, [span], own_prompt, None)
+                        for i, own_text, span, own_prompt in own)
 
     encodings = encode(backend, renderer.byte_lengths, [p.text for p in prepared])
     # Serving tokenizes the prompt alone, so the prompt part of each sample must be exactly those tokens.

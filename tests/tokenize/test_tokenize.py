@@ -145,20 +145,27 @@ def test_tool_messages_pass_through_unsupervised(tmp_path, smollm2_dir):
     assert "temp" in AutoTokenizer.from_pretrained(smollm2_dir).decode(row["input_ids"])
 
 
-def test_qwen3_style_thinking_final_turn_only(tmp_path, qwen_tok_dir):
+def test_qwen3_style_thinking_an_earlier_turn_becomes_its_own_sample(tmp_path, qwen_tok_dir):
     first = {"role": "assistant", "content": "Earlier answer.", "reasoning": "earlier thoughts"}
     final = {"role": "assistant", "content": "The answer is 4.", "reasoning": "2 plus 2 is 4."}
     records = [{"messages": [{"role": "user", "content": "Hi"}, first, {"role": "user", "content": "2+2?"}, final],
                 "sampling": {"thinking": True}}]
     src = write_jsonl(tmp_path / "c.jsonl", records)
     stats = run(cfg(qwen_tok_dir), src, tmp_path / "ds", log=lambda s: None)
-    [row] = load_rows(tmp_path / "ds")
-    text = AutoTokenizer.from_pretrained(qwen_tok_dir).decode(row["input_ids"])
+    rows = {row["id"].rsplit("#", 1)[-1]: row for row in load_rows(tmp_path / "ds")}
+    assert len(rows) == 2 and "turn1" in rows
+    whole = next(row for key, row in rows.items() if key != "turn1")
+    text = AutoTokenizer.from_pretrained(qwen_tok_dir).decode(whole["input_ids"])
     assert "earlier thoughts" not in text  # the template drops earlier turns' reasoning
-    assert supervised_text(qwen_tok_dir, row) == ["<think>\n2 plus 2 is 4.\n</think>\n\nThe answer is 4.<|im_end|>"]
-    # The earlier turn renders with an empty think block when it is the last one, without it in context:
-    # its mask cannot be placed from render boundaries, so it is skipped (counted), as Qwen3 trainers do.
-    assert stats["unstable_turns_skipped"] == 1 and stats["prompt_token_mismatches"] == 0
+    assert supervised_text(qwen_tok_dir, whole) == ["<think>\n2 plus 2 is 4.\n</think>\n\nThe answer is 4.<|im_end|>"]
+    # The earlier turn renders with its reasoning when it is the last one, without it in context: its mask
+    # cannot be placed in the whole conversation, so it is trained as its own sample, rendered as when the
+    # target produced it (the conversation through that turn).
+    earlier = rows["turn1"]
+    expected = "<think>\nearlier thoughts\n</think>\n\nEarlier answer.<|im_end|>"
+    assert supervised_text(qwen_tok_dir, earlier) == [expected]
+    assert "2+2?" not in AutoTokenizer.from_pretrained(qwen_tok_dir).decode(earlier["input_ids"])
+    assert stats["turns_as_own_samples"] == 1 and stats["prompt_token_mismatches"] == 0
 
 
 def test_qwen3_style_thinking_off_supervises_answer_after_the_empty_think_block(tmp_path, qwen_tok_dir):
@@ -246,8 +253,10 @@ def test_masks_from_token_byte_lengths_equal_masks_from_offsets(tmp_path, monkey
     run(cfg(tokenizer), src, tmp_path / "offsets", log=lambda s: None)
     fast, offsets = read_manifest(tmp_path / "fast"), read_manifest(tmp_path / "offsets")
     assert [(f.path, f.sha256) for f in fast.files] == [(f.path, f.sha256) for f in offsets.files]
-    assert fast.stats == offsets.stats and fast.stats["samples"] == 3
-    assert any("👋🏽" in text for text in supervised_text(tokenizer, load_rows(tmp_path / "fast")[1]))
+    # Qwen3 renders the first record's earlier turn differently in context: it is its own (fourth) sample.
+    assert fast.stats == offsets.stats and fast.stats["samples"] == (4 if template == "qwen3" else 3)
+    rows = load_rows(tmp_path / "fast")
+    assert any("👋🏽" in text for row in rows for text in supervised_text(tokenizer, row))
 
 
 @pytest.mark.parametrize("template", TEMPLATE_FIXTURES)
