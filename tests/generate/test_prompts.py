@@ -105,3 +105,44 @@ def test_shards_cover_every_prompt_exactly_once(num_shards):
 def test_prompt_id_is_content_hash():
     a = prompt_id([{"role": "user", "content": "x"}])
     assert a == prompt_id([{"content": "x", "role": "user"}]) and a != prompt_id([{"role": "user", "content": "y"}])
+
+
+def _words(text: str) -> list[str]:
+    import re
+
+    return re.findall(r"[a-z0-9']+", text.lower())
+
+
+def _user_text(prompt) -> str:
+    return " ".join(m["content"] for m in prompt.messages if m["role"] == "user")
+
+
+def template_overlap(train: list, heldout: list) -> list[str]:
+    """Held-out prompts that look templated from a training one: the same first three words, or a third or
+    more of their word 4-grams found in one training prompt."""
+    def grams(words):
+        return {tuple(words[i : i + 4]) for i in range(len(words) - 3)}
+
+    seen = [(_words(_user_text(p)), grams(_words(_user_text(p)))) for p in train]
+    flagged = []
+    for p in heldout:
+        words = _words(_user_text(p))
+        mine = grams(words)
+        for other_words, other_grams in seen:
+            shared_opening = len(words) >= 3 and words[:3] == other_words[:3]
+            if shared_opening or (mine and len(mine & other_grams) >= len(mine) / 3):
+                flagged.append(_user_text(p))
+                break
+    return flagged
+
+
+def test_builtin_chat_heldout_shares_no_template_with_training():
+    train, heldout = load_prompts("builtin:chat"), load_prompts("builtin:chat-heldout")
+    assert len(train.prompts) >= 100 and len(heldout.prompts) >= 40 and not train.rejected and not heldout.rejected
+    categories = {p.category for p in heldout.prompts}
+    assert {"math", "code", "explain", "writing"} <= categories
+    assert any(len(p.messages) > 1 for p in train.prompts)  # some multi-turn and system-prompted records
+    assert template_overlap(train.prompts, heldout.prompts) == []
+    # The check can fail: the templated demo sets share openings throughout.
+    demo, demo_heldout = load_prompts("builtin:demo"), load_prompts("builtin:demo-heldout")
+    assert len(template_overlap(demo.prompts, demo_heldout.prompts)) > len(demo_heldout.prompts) // 2
