@@ -54,5 +54,8 @@ def run_demo(workdir: Path, console: Console) -> None:
     cfg = demo_config(workdir)
     run_pipeline(cfg, console=console, log=console.print)
     console.print(status_table(pipeline_status(cfg)))
-    tau = read_manifest(stage_dir(cfg.workdir, "eval")).stats["acceptance_length"]
-    console.print(f"demo: acceptance length τ = {tau:.2f} on held-out prompts (checked now, from verified artifacts)")
+    stats = read_manifest(stage_dir(cfg.workdir, "eval")).stats
+    lookup = stats.get("lookup_acceptance_length")
+    console.print(f"demo: acceptance length τ = {stats['acceptance_length']:.2f} on held-out prompts"
+                  + (f" (prompt lookup: τ {lookup:.2f})" if lookup is not None else "")
+                  + " — checked now, from verified artifacts")
