@@ -87,6 +87,13 @@ def worker(length: int, anchors: int, layers: int, naive: bool, steps: int, mode
     return timed_steps(per_block if naive else one_pass, optimizer, steps, length)
 
 
+def mode_name(mode: str) -> str:
+    """A report's words for a --modes entry."""
+    if mode == "online-full":
+        return "online (target in the step), 49,152 tokens"
+    return f"offline cache, {mode.split('-')[1]}-token draft vocab"
+
+
 def timed_steps(step, optimizer, steps: int, tokens: int) -> dict:
     """Seconds per optimizer step (after one warm-up), tokens/s and this process's peak RSS."""
     step()
@@ -174,9 +181,8 @@ def batching(args) -> None:
         "one-at-a-time tokens/s | one-at-a-time peak RSS MB | batched speedup |",
         "| --- | --- | --- | --- | --- | --- | --- |",
     ]
-    names = {"online-full": "online (target in the step), 49,152 tokens"}
     for mode, length, fast, slow in rows:
-        name = names.get(mode, f"offline cache, {mode.split('-')[1]}-token draft vocab")
+        name = mode_name(mode)
         lines.append(f"| {name} | {length} | {fast['tokens_per_s']:.0f} | {fast['peak_rss_mb']:.0f} | "
                      f"{slow['tokens_per_s']:.0f} | {slow['peak_rss_mb']:.0f} | "
                      f"{slow['seconds_per_step'] / fast['seconds_per_step']:.2f}× |")
@@ -231,9 +237,8 @@ def main() -> None:
         "naive per-block tokens/s | naive peak RSS MB | one-pass speedup |",
         "| --- | --- | --- | --- | --- | --- | --- |",
     ]
-    names = {"online-full": "online (target in the step), 49,152 tokens"}
     for mode, length, fast, naive in rows:
-        name = names.get(mode, f"offline cache, {mode.split('-')[1]}-token draft vocab")
+        name = mode_name(mode)
         lines.append(
             f"| {name} | {length} | {fast['tokens_per_s']:.0f} | {fast['peak_rss_mb']:.0f} | "
             f"{naive['tokens_per_s']:.0f} | "

@@ -173,7 +173,10 @@ def whole_drafter(s: Setup) -> DFlashDrafter:
     holds only this rank's shards) a copy loaded from the gathered weights (on rank 0)."""
     if not hasattr(s.model, "reshard"):  # not FSDP (fully_shard adds `reshard`): the module holds whole tensors
         return s.drafter
-    weights, _ = full_state(s.model, s.optimizer)
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    # The weights only (not the optimizer state a checkpoint also gathers); every rank takes part, rank 0 gets them.
+    weights = get_model_state_dict(s.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     whole = DFlashDrafter(s.drafter.config)
     if s.where.rank == 0:
         whole.load_state_dict(weights)

@@ -56,12 +56,13 @@ def plan_batch(target: Target, rows: list, cfg: TrainConfig, generators: list, b
     if not live:
         return Planned(len(rows), [], 0, None)
     context_len = max(int(anchors.max()) for *_, anchors in live)  # no block sees a position at or after its anchor
-    if (features is None or features[live[0][0]] is None) and target.lm_head.weight.is_cuda:
+    online = features is None or features[live[0][0]] is None
+    if online and target.lm_head.weight.is_cuda:
         ids_BC = torch.zeros(len(live), context_len, dtype=torch.long)
         for b, (_, ids_T, _, _) in enumerate(live):
             ids_BC[b, : min(context_len, len(ids_T))] = ids_T[:context_len]
         features_BCF = target.features(ids_BC)
-    elif features is None or features[live[0][0]] is None:
+    elif online:
         # On CPU the target is compute-bound and a padded batch is slower than its sequences one by one
         # (measured: 4 × ~2,000 tokens of SmolLM2, 15.9 s batched vs 12.7 s apart), so each runs alone.
         features_BCF = torch.stack([_padded(target.features(ids_T[None, : int(anchors.max())])[0], context_len)
