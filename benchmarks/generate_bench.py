@@ -1,6 +1,7 @@
 """generate benchmark: the hf backend through the whole stage vs a bare `model.generate` loop, on SmolLM2.
 
     .venv/bin/python benchmarks/generate_bench.py [--prompts 32] [--max-new-tokens 48] [--batches 1,8,32]
+        [--dtype float32|bfloat16]
 
 Each variant runs in its own process (so peak RSS is its own) on the same built-in demo prompts, greedy,
 same token budget; both times include importing torch/transformers and loading the model from the cached
@@ -27,7 +28,7 @@ from record import record  # benchmarks/record.py, beside this script
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def bare(prompts_path: str, batch: int, max_new_tokens: int) -> dict:
+def bare(prompts_path: str, batch: int, max_new_tokens: int, dtype: str) -> dict:
     """What a hand-written script does: chat template, left-padded batches, model.generate, count tokens."""
     from flashdraft.model.resolve import resolve_model
 
@@ -37,7 +38,7 @@ def bare(prompts_path: str, batch: int, max_new_tokens: int) -> dict:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(path, padding_side="left")
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype)).eval()
     messages = [json.loads(line)["messages"] for line in Path(prompts_path).read_text().splitlines()]
     tokens = 0
     for i in range(0, len(messages), batch):
@@ -53,13 +54,13 @@ def bare(prompts_path: str, batch: int, max_new_tokens: int) -> dict:
     return {"tokens": tokens, "seconds": time.perf_counter() - start}
 
 
-def flashdraft(prompts_path: str, batch: int, max_new_tokens: int) -> dict:
+def flashdraft(prompts_path: str, batch: int, max_new_tokens: int, dtype: str) -> dict:
     from flashdraft import generate
     from flashdraft.config import GenerateConfig
     from flashdraft.model.resolve import resolve_model
 
     resolve_model("embedded", log=lambda s: None)  # conversion is cached before either variant is timed
-    cfg = GenerateConfig(prompts=prompts_path, batch_size=batch, max_new_tokens=max_new_tokens)
+    cfg = GenerateConfig(prompts=prompts_path, batch_size=batch, max_new_tokens=max_new_tokens, dtype=dtype)
     with tempfile.TemporaryDirectory() as out:
         start = time.perf_counter()
         stats = generate.run(cfg, Path(out) / "gen", log=lambda s: None)
@@ -68,7 +69,7 @@ def flashdraft(prompts_path: str, batch: int, max_new_tokens: int) -> dict:
 
 def worker(args: argparse.Namespace) -> None:
     fn = {"bare": bare, "flashdraft": flashdraft}[args.worker]
-    result = fn(args.prompts_file, args.batch, args.max_new_tokens)
+    result = fn(args.prompts_file, args.batch, args.max_new_tokens, args.dtype)
     result["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     print(json.dumps(result))
 
@@ -79,6 +80,8 @@ def main() -> None:
     ap.add_argument("--max-new-tokens", type=int, default=48)
     ap.add_argument("--batches", default="1,8,32")
     ap.add_argument("--repeats", type=int, default=2, help="Runs per variant, interleaved; the best is kept.")
+    ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
+                    help="The target's weights in both variants (generate.dtype).")
     ap.add_argument("--no-record", action="store_true")
     ap.add_argument("--worker", choices=["bare", "flashdraft"], help=argparse.SUPPRESS)
     ap.add_argument("--prompts-file", help=argparse.SUPPRESS)
@@ -101,7 +104,7 @@ def main() -> None:
         for _ in range(args.repeats):  # interleaved, best kept: two shared cores are noisy (±10 % run to run)
             for variant in ("bare", "flashdraft"):
                 cmd = [sys.executable, __file__, "--worker", variant, "--prompts-file", str(prompts_file),
-                       "--batch", str(batch), "--max-new-tokens", str(args.max_new_tokens)]
+                       "--batch", str(batch), "--max-new-tokens", str(args.max_new_tokens), "--dtype", args.dtype]
                 proc = subprocess.run(cmd, capture_output=True, text=True, check=True, env=dict(os.environ))
                 run = json.loads(proc.stdout.strip().splitlines()[-1])
                 if variant not in result or run["seconds"] < result[variant]["seconds"]:
@@ -113,10 +116,11 @@ def main() -> None:
 
     lines = [
         f"### generate (hf backend) — {datetime.now(UTC).date()} — SmolLM2-135M-Instruct, CPU, "
-        f"{os.cpu_count()} cores, {args.prompts} prompts, {args.max_new_tokens} new tokens, greedy",
+        f"{os.cpu_count()} cores, {args.prompts} prompts, {args.max_new_tokens} new tokens, greedy, {args.dtype}",
         "",
         f"Command: `.venv/bin/python benchmarks/generate_bench.py --prompts {args.prompts} "
-        f"--max-new-tokens {args.max_new_tokens} --batches {args.batches} --repeats {args.repeats}` "
+        f"--max-new-tokens {args.max_new_tokens} --batches {args.batches} --repeats {args.repeats} "
+        f"--dtype {args.dtype}` "
         "(best of the repeats; times include imports and model load)",
         "",
         "| batch | bare generate tok/s | flashdraft tok/s | ratio | bare peak RSS MB | flashdraft peak RSS MB |",

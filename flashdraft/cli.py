@@ -113,6 +113,9 @@ def generate(
     max_new_tokens: Annotated[int | None, typer.Option(help="Token budget per response.")] = None,
     batch_size: Annotated[int | None, typer.Option(help="Records per committed batch file.")] = None,
     temperature: Annotated[float | None, typer.Option(help="0 = greedy.")] = None,
+    dtype: Annotated[str | None, typer.Option(
+        help="hf backend: auto | bfloat16 | float32, the target's weights while generating (auto: bfloat16 on "
+        "CUDA, float32 on CPU; bfloat16 is ~3x faster on a CPU with AVX512-BF16).")] = None,
     thinking: Annotated[str | None, typer.Option(
         help="on | off | mixed: enable_thinking in the chat template; mixed draws each prompt's mode by its id "
         "(generate.thinking_ratio on). A prompt record's own `thinking` wins.")] = None,
@@ -142,6 +145,7 @@ def generate(
         "generate.max_new_tokens": max_new_tokens,
         "generate.batch_size": batch_size,
         "generate.temperature": temperature,
+        "generate.dtype": dtype,
         "generate.thinking": {"on": True, "off": False}.get(thinking, thinking),
         "generate.turns": turns,
         "generate.shard_index": shard_index,

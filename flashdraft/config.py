@@ -41,6 +41,10 @@ class GenerateConfig(Section):
     max_new_tokens: Positive = 256
     batch_size: Positive = 64  # records per committed batch file
     temperature: NonNegativeFloat = 0.0
+    # hf backend: the target's weight type while generating. auto = bfloat16 on CUDA, float32 on CPU. bfloat16 on
+    # a CPU with AVX512-BF16 or AMX generates ~3x faster (measured, benchmarks/RESULTS.md); its greedy tokens
+    # are the float32 target's argmax 98 % of the time, so the drafter learns almost exactly that target.
+    dtype: Literal["auto", "bfloat16", "float32"] = "auto"
     # on/off for every prompt, or "mixed": each prompt's mode drawn by its id (thinking_ratio of them on), so a
     # rerun or another shard draws the same. A prompt record's own boolean `thinking` wins over either.
     thinking: bool | Literal["mixed"] = False
@@ -82,6 +86,9 @@ class TrainConfig(Section):
     batch_size: Positive = 4  # sequences per optimizer step (per process under torchrun)
     # sequences per forward pass, padded to the longest (1 = one at a time); same loss and gradients either way
     micro_batch: Positive = 4
+    # the drafter's matmuls in bfloat16 (autocast; weights and optimizer stay float32). None = on CUDA only.
+    # On a CPU with AVX512-BF16 or AMX it halves the drafter's step time (measured, benchmarks/RESULTS.md).
+    bf16: bool | None = None
     # the next step's target features computed on a thread while the drafter trains on this one; None = when
     # the target runs on other devices than the drafter (online features). Same losses either way (tested).
     prefetch: bool | None = None
@@ -90,6 +97,10 @@ class TrainConfig(Section):
     keep_checkpoints: Positive = 3  # newest complete checkpoints kept locally; older ones are deleted
     push_to: str | None = None  # local dir or s3:// URL each checkpoint and the drafter are pushed to, verified
     features: Literal["online", "offline"] = "online"  # offline: target features cached once, reused each epoch
+    # Distillation: the offline cache also keeps the target's top-k next-token log-probabilities at every position,
+    # and the loss mixes cross-entropy on them (weight `distill_weight`) with the hard labels'. 0 = hard labels only.
+    distill_topk: NonNegative = 0
+    distill_weight: Fraction = 0.5
     export_dtype: Literal["bfloat16", "float32"] = "bfloat16"  # the exported drafter's weights
     sliding_window: Positive | None = None  # all draft layers but the last attend this far back (≥ block_size)
     draft_vocab_size: Positive | None = None  # a reduced draft vocabulary (most frequent tokens) for cheap CPU runs

@@ -19,6 +19,7 @@ FROZEN_FLAGS = {
         "--base-url",
         "--batch-size",
         "--config",
+        "--dtype",
         "--json",
         "--max-new-tokens",
         "--model",

@@ -192,20 +192,19 @@ CHAT_HELDOUT = {
         "Write four lines of rhyming verse about a sleepy dog.",
         "Make this sound friendlier: 'Your request has been received and will be processed.'",
         "Outline a two-minute speech about why reading matters.",
-        "Give a short, funny description of Monday mornings.",
+        "Describe Monday mornings in a short, funny way.",
         "Write a brief note thanking a delivery driver who went out of their way.",
     ],
 }
 
 
 def chat_records(heldout: bool) -> list[dict]:
-    """The set as prompt records (`prompt` or `messages`, with `category`)."""
+    """The set as prompt records (`prompt` or `messages`, with `category`), the kinds interleaved so that the
+    first N prompts (`max_prompts`) cover every kind."""
     source = CHAT_HELDOUT if heldout else CHAT
-    records = []
+    by_kind = []
     for category, prompts in source.items():
-        for prompt in prompts:
-            if isinstance(prompt, list):
-                records.append({"messages": prompt, "category": "multi-turn"})
-            else:
-                records.append({"prompt": prompt, "category": category})
-    return records
+        by_kind.append([{"messages": p, "category": "multi-turn"} if isinstance(p, list)
+                        else {"prompt": p, "category": category} for p in prompts])
+    longest = max(len(records) for records in by_kind)
+    return [records[i] for i in range(longest) for records in by_kind if i < len(records)]

@@ -19,6 +19,7 @@ X = C + S keys, D hidden, H query heads, G key/value heads, E head dim, F = n·D
 from __future__ import annotations
 
 import functools
+import math
 import warnings
 
 import torch
@@ -269,8 +270,12 @@ class DFlashDrafter(nn.Module):
         return [layer.self_attn.context_kv(ctx_BCD, rope_ctx) for layer in self.layers]
 
     def init_from_target(self, target_layers: list[nn.Module]) -> None:
-        """Start the draft layers from the target's last attention layers (a lever for small data); a hybrid's
-        linear-attention layers have no q/k/v to copy."""
+        """Start from the target (a lever for small data, measured in benchmarks/RESULTS.md): the draft layers
+        from its last attention layers, and the context wired in as their input — `fc` passes the deepest watched
+        layer's hidden state through (the other layers enter at a tenth of their random scale) and `hidden_norm`
+        scales it as the first copied layer's input norm does. When that watched layer feeds the first copied
+        one (the demo: layer 27 of 30, two draft layers from 28 and 29), the context's keys and values start as
+        that target layer's own. A hybrid's linear-attention layers have no q/k/v to copy."""
         pairs = min(len(self.layers), len(target_layers))  # a hybrid may have fewer attention layers than we do
         if pairs == 0:
             return
@@ -280,3 +285,26 @@ class DFlashDrafter(nn.Module):
                 if name in own and own[name].shape == tensor.shape:
                     own[name] = tensor.detach().clone()
             mine.load_state_dict(own)
+            modules = dict(theirs.named_modules())
+            for name, norm in mine.named_modules():  # norms by what they compute, not how they store it
+                other = modules.get(name)
+                weights = list(other.parameters()) if other is not None else []
+                if isinstance(norm, nn.RMSNorm) and len(weights) == 1 and weights[0].shape == norm.weight.shape:
+                    norm.weight.data.copy_(norm_scale(other, norm.weight.shape[0]))
+        d = self.config.hidden_size
+        deepest = self.target_layer_ids.index(max(self.target_layer_ids))
+        with torch.no_grad():
+            self.fc.weight.mul_(0.1)
+            self.fc.weight[:, deepest * d : (deepest + 1) * d] += torch.eye(d)
+            self.hidden_norm.weight.copy_(self.layers[-pairs].input_layernorm.weight)
+
+
+@torch.no_grad()
+def norm_scale(norm: nn.Module, size: int) -> torch.Tensor:
+    """The per-channel scale an RMS norm applies, whatever its parametrization: Llama/Qwen3 store it (`w`),
+    Qwen3.5/Qwen3-Next store `w − 1` (zero-centred). A vector of ones has RMS 1, so the norm returns its scale
+    (divided by √(1 + eps), undone here)."""
+    weight = next(norm.parameters())
+    eps = getattr(norm, "variance_epsilon", getattr(norm, "eps", None) or 0.0)
+    ones = torch.ones(1, size, dtype=torch.float32, device=weight.device)
+    return (norm(ones.to(weight.dtype)).float()[0] * math.sqrt(1.0 + eps)).cpu()

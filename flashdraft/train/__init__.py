@@ -127,6 +127,9 @@ def run(
         raise BadTrainingInput(f"--resume: {out} has no complete checkpoint of this run to resume from")
 
     check_tokenizer(dataset_manifest.stats.get("tokenizer_vocab"), target_path)  # before any compute
+    if cfg.distill_topk and cfg.features != "offline":
+        raise BadTrainingInput("train.distill_topk reads the target's top-k from the offline feature cache: "
+                               "set train.features: offline (or distill_topk: 0)")
     s = setup(cfg, data, out, target_path, where, console, say)
     position = {"step": 0, "epoch": 0, "batch": 0}
     if resume is not None:
@@ -355,8 +358,9 @@ def prepare(cfg: TrainConfig, s: Setup, batch: list[int], epoch: int) -> list[Pl
         # Anchors depend only on (seed, epoch, sample): a resumed run draws the same ones.
         gens = [torch.Generator().manual_seed(hash((cfg.seed, epoch, index)) & 0x7FFFFFFF) for index in chunk]
         features = None if s.cache is None else [s.cache[index] for index in chunk]
+        teachers = None if s.cache is None else [s.cache.teacher(index) for index in chunk]
         plans.append(plan_batch(s.target, [(rows[i]["input_ids"], rows[i]["loss_mask"]) for i in chunk], cfg, gens,
-                                s.drafter.block_size, features))
+                                s.drafter.block_size, features, teachers))
     return plans
 
 

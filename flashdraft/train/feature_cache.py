@@ -9,6 +9,10 @@ its features makes every epoch after the first drafter-only. Size: tokens × n l
 Layout: `<train out>/features/` is an artifact (manifest last) holding `features.bin` (bf16 rows, one per
 token, samples back to back) and `index.json` (each sample's first row and length). Its lineage is the
 dataset, the target and the layers, so a changed input rebuilds it and an unchanged one is reused.
+
+With `train.distill_topk: k` the same target pass also keeps, for every position, the target's k most likely
+next tokens and their log-probabilities (`teacher_ids.bin` int32, `teacher_logprobs.bin` float16, T × k): the
+soft labels distillation trains on, at 6·k bytes a token — far less than the features themselves.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Callable
+from contextlib import ExitStack
 from pathlib import Path
 
 import numpy as np
@@ -29,6 +34,7 @@ from flashdraft.progress import progress
 from flashdraft.train.distributed import Placement, barrier
 
 DATA, INDEX = "features.bin", "index.json"
+TEACHER_IDS, TEACHER_LOGPROBS = "teacher_ids.bin", "teacher_logprobs.bin"
 
 
 class FeatureCache:
@@ -39,11 +45,25 @@ class FeatureCache:
         self.starts, self.lengths, self.width = index["starts"], index["lengths"], index["width"]
         rows = sum(self.lengths)
         self.data = np.memmap(path / DATA, dtype=np.int16, mode="r", shape=(rows, self.width)) if rows else None
+        self.topk: int = index.get("topk", 0)
+        if rows and self.topk:
+            shape = (rows, self.topk)
+            self.teacher_ids = np.memmap(path / TEACHER_IDS, dtype=np.int32, mode="r", shape=shape)
+            self.teacher_logprobs = np.memmap(path / TEACHER_LOGPROBS, dtype=np.float16, mode="r", shape=shape)
 
     def __getitem__(self, sample: int) -> torch.Tensor:
         start, length = self.starts[sample], self.lengths[sample]
         raw = torch.from_numpy(np.array(self.data[start : start + length]))
         return raw.view(torch.bfloat16).float()
+
+    def teacher(self, sample: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The target's top-k next tokens after each position of a sample and their log-probabilities (T × k
+        each), or None when the cache was built without them."""
+        if not self.topk:
+            return None
+        start, length = self.starts[sample], self.lengths[sample]
+        ids = torch.from_numpy(np.array(self.teacher_ids[start : start + length])).long()
+        return ids, torch.from_numpy(np.array(self.teacher_logprobs[start : start + length])).float()
 
 
 def feature_bytes(tokens: int, layers: int, hidden: int) -> int:
@@ -58,6 +78,7 @@ def build_or_reuse(
     max_length: int,
     lineage: Lineage,
     *,
+    topk: int = 0,
     console=None,
     log: Callable[[str], None] = print,
 ) -> FeatureCache:
@@ -71,20 +92,32 @@ def build_or_reuse(
     lengths = [min(n, max_length) for n in pc.list_value_length(dataset.data.column("input_ids")).to_pylist()]
     layers, hidden = len(target.layer_ids), target.config.hidden_size
     size = feature_bytes(sum(lengths), layers, hidden)
-    log(f"features: caching {sum(lengths):,} tokens × {layers} layers × {hidden} × 2 bytes = {size / 1e6:,.1f} MB")
+    log(f"features: caching {sum(lengths):,} tokens × {layers} layers × {hidden} × 2 bytes = {size / 1e6:,.1f} MB"
+        + (f", and the target's top {topk} next tokens at each position" if topk else ""))
     starts = np.concatenate([[0], np.cumsum(lengths)[:-1]]).tolist() if lengths else []
-    stats = {"samples": len(lengths), "tokens": sum(lengths), "width": layers * hidden, "layer_ids": target.layer_ids}
-    with commit_dir(out, "features", stats=stats, lineage=lineage) as tmp:
-        with open(tmp / DATA, "wb") as f, progress(console, "features", total=len(lengths)) as update:
+    stats = {"samples": len(lengths), "tokens": sum(lengths), "width": layers * hidden, "layer_ids": target.layer_ids,
+             "topk": topk}
+    with commit_dir(out, "features", stats=stats, lineage=lineage) as tmp, ExitStack() as files:
+        f = files.enter_context(open(tmp / DATA, "wb"))
+        teacher_files = [files.enter_context(open(tmp / name, "wb"))
+                         for name in (TEACHER_IDS, TEACHER_LOGPROBS)] if topk else []
+        with progress(console, "features", total=len(lengths)) as update:
             for i, length in enumerate(lengths):
                 ids = torch.as_tensor(dataset[i]["input_ids"][:length]).long()
                 with torch.no_grad():
-                    features = target.features(ids[None])[0].to("cpu", torch.bfloat16)
-                f.write(features.view(torch.int16).numpy().tobytes())
+                    output, features = target.forward(ids[None])
+                    f.write(features[0].to("cpu", torch.bfloat16).view(torch.int16).numpy().tobytes())
+                    if topk:
+                        logprobs = torch.log_softmax(target.lm_head(output.last_hidden_state[0]).float(), dim=-1)
+                        top = logprobs.topk(topk, dim=-1)
+                        teacher_files[0].write(top.indices.to("cpu", torch.int32).numpy().tobytes())
+                        teacher_files[1].write(top.values.to("cpu", torch.float16).numpy().tobytes())
                 update(advance=1)
-            f.flush()
-            os.fsync(f.fileno())
-        atomic_write_text(tmp / INDEX, json.dumps({"starts": starts, "lengths": lengths, "width": layers * hidden}))
+        for handle in [f, *teacher_files]:
+            handle.flush()
+            os.fsync(handle.fileno())
+        atomic_write_text(tmp / INDEX, json.dumps({"starts": starts, "lengths": lengths, "width": layers * hidden,
+                                                   "topk": topk}))
     return FeatureCache(out)
 
 
@@ -93,9 +126,11 @@ def offline_features(cfg: TrainConfig, data: Path, out: Path, target: Target, ta
     """The offline cache under `out/features`: rank 0 builds (or reuses) it, the other ranks then read it."""
     lineage = Lineage(
         inputs=[manifest_digest(data)],
-        config=sha256_json({"target": identity(target_path), "layers": target.layer_ids, "max_length": cfg.max_length}),
+        config=sha256_json({"target": identity(target_path), "layers": target.layer_ids, "max_length": cfg.max_length,
+                            **({"topk": cfg.distill_topk} if cfg.distill_topk else {})}),
     )
     if place.rank == 0:
-        build_or_reuse(out / "features", target, dataset, cfg.max_length, lineage, console=console, log=log)
+        build_or_reuse(out / "features", target, dataset, cfg.max_length, lineage, topk=cfg.distill_topk,
+                       console=console, log=log)
     barrier(place.world)
     return FeatureCache(out / "features")

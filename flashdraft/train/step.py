@@ -6,6 +6,7 @@ head scores them. `evaluate_heldout` runs the same step without gradients on fix
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,6 +25,10 @@ from flashdraft.model.objective import (
 from flashdraft.model.target import Target
 from flashdraft.train.metrics import json_rates, mean_rates
 
+# Under CPU autocast (`train.bf16`) a norm gets bfloat16 input and keeps its float32 weight; torch then computes
+# it unfused and says so once per process. Harmless, and the step is still 1.6x faster (benchmarks/RESULTS.md).
+warnings.filterwarnings("ignore", message="Mismatch dtype between input and weight")
+
 
 def sequence_step(model, target: Target, ids_T, mask_T, cfg: TrainConfig, generator, device,
                   features_TF: torch.Tensor | None = None) -> dict | None:
@@ -40,10 +45,11 @@ class Planned:
     live: list  # (index in the micro-batch, ids, loss mask, anchors) of those with anchors
     context_len: int
     features_BCF: torch.Tensor | None
+    teachers: list | None = None  # per live sequence: the target's top-k (ids, log-probs) after each position
 
 
 def plan_batch(target: Target, rows: list, cfg: TrainConfig, generators: list, block_size: int,
-               features: list | None = None) -> Planned:
+               features: list | None = None, teachers: list | None = None) -> Planned:
     """Anchors of each sequence, and the target's features for the batch: from the cache (offline mode), or
     one target pass over the batch on a GPU (right padding: the target is causal, real positions are unchanged),
     one pass per sequence on a CPU."""
@@ -69,7 +75,8 @@ def plan_batch(target: Target, rows: list, cfg: TrainConfig, generators: list, b
                                     for _, ids_T, _, anchors in live])
     else:  # a prefix of the whole sequence's cached features is the prefix's features
         features_BCF = torch.stack([_padded(features[i][:context_len], context_len) for i, *_ in live])
-    return Planned(len(rows), live, context_len, features_BCF)
+    kept = [teachers[i] for i, *_ in live] if teachers is not None and teachers[live[0][0]] is not None else None
+    return Planned(len(rows), live, context_len, features_BCF, kept)
 
 
 def batch_step(model, target: Target, rows: list, cfg: TrainConfig, generators: list, device,
@@ -106,7 +113,9 @@ def batch_step(model, target: Target, rows: list, cfg: TrainConfig, generators: 
         block_embeds = embed(block_ids.view(len(live), -1).to(embed.weight.device)).to(device, torch.float32)
     allowed = block_masks(anchors_BN if len(live) > 1 else anchors_BN[0], k, context_len, drafter.sliding_window,
                           device)
-    with torch.autocast("cuda", dtype=torch.bfloat16, enabled=str(device).startswith("cuda")):
+    on_cuda = str(device).startswith("cuda")
+    with torch.autocast("cuda" if on_cuda else "cpu", dtype=torch.bfloat16, enabled=cfg.bf16 is not False and on_cuda
+                        or bool(cfg.bf16)):
         hidden = model(block_embeds, features_BCF, positions.view(len(live), -1).to(device),
                        torch.arange(context_len, device=device)[None].expand(len(live), -1), allowed)
         head = target.head_weight(drafter)
@@ -120,10 +129,31 @@ def batch_step(model, target: Target, rows: list, cfg: TrainConfig, generators: 
             labels, inside = drafter.draft_labels(labels)
             loss_weights = weights * inside
         loss = weighted_loss(logits, labels.view(-1).clamp(min=0).to(device), loss_weights.view(-1).to(device))
+        if plan.teachers is not None and cfg.distill_weight > 0:
+            soft = distill_loss(drafter, logits, plan.teachers[b], anchors, k, weights)
+            loss = (1 - cfg.distill_weight) * loss + cfg.distill_weight * soft
         with torch.no_grad():
             rates = per_position_accuracy(logits.view(n, k, -1).cpu(), labels, weights)
         results[i] = {"loss": loss, "rates": rates, "tokens": int(ids_T.shape[0]), "anchors": n}
     return results
+
+
+def distill_loss(drafter: DFlashDrafter, logits_SV: torch.Tensor, teacher: tuple, anchors_N: torch.Tensor, k: int,
+                 weights_NK: torch.Tensor) -> torch.Tensor:
+    """Cross-entropy against the target's own next-token distribution (its top-k, renormalised over the tokens
+    the drafter can propose), weighted like the hard labels. Block position j of the block at anchor a predicts
+    the token at a + j: the target's distribution for it is the one after position a + j − 1."""
+    teacher_ids, teacher_logprobs = teacher
+    before = (anchors_N[:, None] + torch.arange(k)[None, :] - 1).clamp(min=0).view(-1)  # S
+    ids, logprobs = teacher_ids[before], teacher_logprobs[before]  # S × topk
+    if drafter.draft_vocab_size:
+        ids, inside = drafter.draft_labels(ids)
+        logprobs = logprobs.masked_fill(~inside, float("-inf"))
+    probs = torch.softmax(logprobs, dim=-1).nan_to_num(0.0).to(logits_SV.device)  # no token inside: no mass
+    student = torch.log_softmax(logits_SV.float(), dim=-1).gather(1, ids.clamp(min=0).to(logits_SV.device))
+    ce = -(probs * student).sum(-1)
+    w = weights_NK.reshape(-1).to(ce.device)
+    return (ce * w).sum() / w.sum().clamp(min=1e-8)
 
 
 def _padded(features_CF: torch.Tensor, length: int) -> torch.Tensor:

@@ -80,6 +80,26 @@ def test_the_trainer_sets_up_and_runs_on_every_target_kind(target_dir, tmp_path)
     assert "partial_rotary_factor" not in config.rope_parameters  # the drafter rotates the whole head
 
 
+def test_init_from_target_starts_from_what_the_target_computes(target_dir):
+    """The copied layers' norms scale as the target's do (Qwen3.5 stores its norms zero-centred, as w − 1), and
+    the context enters as the deepest watched layer's hidden state, normed as the first copied layer's input."""
+    from flashdraft.model.target import attention_layers
+
+    target = Target(target_dir, "cpu", lambda s: None)
+    drafter = DFlashDrafter(draft_config(target.config, num_layers=1, block_size=8, mask_token_id=127))
+    drafter.init_from_target(attention_layers(target.decoder))
+    theirs, mine = attention_layers(target.decoder)[-1], drafter.layers[-1]
+    x = torch.randn(3, 64)
+    assert torch.allclose(mine.input_layernorm(x), theirs.input_layernorm(x), atol=1e-5)
+    assert torch.allclose(mine.post_attention_layernorm(x), theirs.post_attention_layernorm(x), atol=1e-5)
+
+    target.watch(drafter.target_layer_ids)
+    features = target.features(torch.tensor([PROMPT]))[0]
+    deepest = features[:, -64:]  # the watched layers in order: the deepest is last
+    wired = torch.nn.functional.cosine_similarity(drafter.project_context(features), theirs.input_layernorm(deepest))
+    assert wired.min() > 0.9  # (the other layers enter at a tenth of their random scale)
+
+
 def test_speculative_decoding_is_lossless_on_every_target_kind(target_dir, tmp_path):
     target = Target(target_dir, "cpu", lambda s: None)
     torch.manual_seed(0)

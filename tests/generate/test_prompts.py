@@ -146,3 +146,12 @@ def test_builtin_chat_heldout_shares_no_template_with_training():
     # The check can fail: the templated demo sets share openings throughout.
     demo, demo_heldout = load_prompts("builtin:demo"), load_prompts("builtin:demo-heldout")
     assert len(template_overlap(demo.prompts, demo_heldout.prompts)) > len(demo_heldout.prompts) // 2
+
+
+def test_the_first_chat_prompts_cover_every_kind_and_sets_join_with_plus():
+    heldout = load_prompts("builtin:chat-heldout").prompts
+    assert {p.category for p in heldout[:4]} == {"math", "code", "explain", "writing"}  # a short eval sees all
+    joined = load_prompts("builtin:chat+demo")
+    chat, demo = load_prompts("builtin:chat"), load_prompts("builtin:demo")
+    assert [p.id for p in joined.prompts] == [p.id for p in chat.prompts + demo.prompts]
+    assert template_overlap(joined.prompts, heldout) == []  # what the demo trains on shares no template with it

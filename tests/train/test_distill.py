@@ -1,0 +1,89 @@
+"""Distillation on the target's top-k (`train.distill_topk`) and bfloat16 autocast on CPU (`train.bf16`)."""
+
+import pytest
+import torch
+
+from flashdraft.artifact.manifest import read_manifest, verify_dir
+from flashdraft.config import TrainConfig
+from flashdraft.model.drafter import DFlashDrafter, draft_config
+from flashdraft.model.target import Target
+from flashdraft.train import BadTrainingInput, run
+from flashdraft.train.feature_cache import FeatureCache
+from flashdraft.train.step import batch_step, plan_batch
+
+from .test_train import quiet, tiny_cfg, tiny_dataset  # noqa: F401 (a fixture)
+
+
+def test_the_cache_keeps_the_targets_top_k_and_a_new_k_rebuilds_it(tiny_target, tiny_dataset, tmp_path):  # noqa: F811
+    lines = []
+    run(tiny_cfg(tiny_target, max_steps=4, features="offline", distill_topk=5), tiny_dataset, tmp_path / "a",
+        log=lines.append)
+    assert any("top 5 next tokens" in line for line in lines)
+    assert verify_dir(tmp_path / "a" / "features") == []
+    cache = FeatureCache(tmp_path / "a" / "features")
+    target = Target(tiny_target, "cpu", quiet)
+    target.watch(read_manifest(tmp_path / "a" / "features").stats["layer_ids"])
+    ids = torch.as_tensor(__import__("datasets").load_from_disk(str(tiny_dataset))[2]["input_ids"])
+    output, _ = target.forward(ids[None])
+    exact = torch.log_softmax(target.lm_head(output.last_hidden_state[0]).float(), -1).topk(5, dim=-1)
+    got_ids, got_logprobs = cache.teacher(2)
+    assert torch.equal(got_ids, exact.indices)
+    assert torch.allclose(got_logprobs, exact.values, atol=2e-2)  # float16 storage
+
+    # A cache without distillation has no teacher; its lineage differs, so a top-k run would not reuse it.
+    run(tiny_cfg(tiny_target, max_steps=4, features="offline"), tiny_dataset, tmp_path / "b", log=quiet)
+    assert FeatureCache(tmp_path / "b" / "features").teacher(2) is None
+    assert read_manifest(tmp_path / "b" / "features").lineage != read_manifest(tmp_path / "a" / "features").lineage
+
+
+def test_distillation_needs_the_offline_cache(tiny_target, tiny_dataset, tmp_path):  # noqa: F811
+    with pytest.raises(BadTrainingInput, match="offline feature cache"):
+        run(tiny_cfg(tiny_target, max_steps=2, distill_topk=4), tiny_dataset, tmp_path / "out", log=quiet)
+
+
+def one_sequence(target, drafter, cfg, teacher):
+    g = torch.Generator().manual_seed(5)
+    ids = torch.randint(0, 120, (60,), generator=g)
+    mask = torch.ones(60, dtype=torch.long)
+    mask[:8] = 0
+    features = [target.features(ids[None])[0]]
+    plan = plan_batch(target, [(ids, mask)], cfg, [torch.Generator().manual_seed(1)], drafter.block_size,
+                      features, None if teacher is None else [teacher(ids)])
+    return batch_step(drafter, target, [], cfg, [], "cpu", planned=plan)[0]["loss"].item()
+
+
+@pytest.fixture
+def small(tiny_target):
+    torch.manual_seed(0)
+    target = Target(tiny_target, "cpu", quiet)
+    drafter = DFlashDrafter(draft_config(target.config, num_layers=2, block_size=8, mask_token_id=127))
+    target.watch(drafter.target_layer_ids)
+    return target, drafter
+
+
+def test_a_teacher_sure_of_the_label_gives_the_hard_loss_and_another_does_not(small, tiny_target):
+    target, drafter = small
+    cfg = TrainConfig(target=tiny_target, max_anchors=6, block_size=8, distill_topk=2, distill_weight=0.5)
+    hard = one_sequence(target, drafter, cfg, None)
+
+    def sure(ids):  # after position p the target is certain of the token at p + 1 (the label)
+        nxt = torch.cat([ids[1:], ids[-1:]])
+        return torch.stack([nxt, (nxt + 1) % 120], 1), torch.tensor([[0.0, -80.0]]).expand(len(ids), 2)
+
+    def elsewhere(ids):  # certain of another token
+        nxt = (torch.cat([ids[1:], ids[-1:]]) + 1) % 120
+        return torch.stack([nxt, (nxt + 1) % 120], 1), torch.tensor([[0.0, -80.0]]).expand(len(ids), 2)
+
+    assert one_sequence(target, drafter, cfg, sure) == pytest.approx(hard, rel=1e-5)
+    assert abs(one_sequence(target, drafter, cfg, elsewhere) - hard) > 1e-3  # (an untrained drafter: near uniform)
+    weightless = cfg.model_copy(update={"distill_weight": 0.0})
+    assert one_sequence(target, drafter, weightless, elsewhere) == pytest.approx(hard, rel=1e-6)
+
+
+def test_bf16_autocast_on_cpu_computes_in_bfloat16(small, tiny_target):
+    target, drafter = small
+    cfg = TrainConfig(target=tiny_target, max_anchors=6, block_size=8)
+    exact = one_sequence(target, drafter, cfg, None)
+    low = one_sequence(target, drafter, cfg.model_copy(update={"bf16": True}), None)
+    assert low != exact  # it did run in another precision…
+    assert low == pytest.approx(exact, rel=2e-2)  # …of the same numbers
