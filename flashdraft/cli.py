@@ -115,7 +115,7 @@ def generate(
     temperature: Annotated[float | None, typer.Option(help="0 = greedy.")] = None,
     dtype: Annotated[str | None, typer.Option(
         help="hf backend: auto | bfloat16 | float32, the target's weights while generating (auto: bfloat16 on "
-        "CUDA, float32 on CPU; bfloat16 is ~3x faster on a CPU with AVX512-BF16).")] = None,
+        "CUDA, float32 on CPU; bfloat16 is ~2x faster on a CPU with AVX512-BF16).")] = None,
     thinking: Annotated[str | None, typer.Option(
         help="on | off | mixed: enable_thinking in the chat template; mixed draws each prompt's mode by its id "
         "(generate.thinking_ratio on). A prompt record's own `thinking` wins.")] = None,

@@ -42,7 +42,7 @@ class GenerateConfig(Section):
     batch_size: Positive = 64  # records per committed batch file
     temperature: NonNegativeFloat = 0.0
     # hf backend: the target's weight type while generating. auto = bfloat16 on CUDA, float32 on CPU. bfloat16 on
-    # a CPU with AVX512-BF16 or AMX generates ~3x faster (measured, benchmarks/RESULTS.md); its greedy tokens
+    # a CPU with AVX512-BF16 or AMX generates ~2x faster (measured, benchmarks/RESULTS.md); its greedy tokens
     # are the float32 target's argmax 98 % of the time, so the drafter learns almost exactly that target.
     dtype: Literal["auto", "bfloat16", "float32"] = "auto"
     # on/off for every prompt, or "mixed": each prompt's mode drawn by its id (thinking_ratio of them on), so a

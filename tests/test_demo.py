@@ -6,6 +6,8 @@ import pytest
 import yaml
 
 from flashdraft.artifact.manifest import MANIFEST, read_manifest, verify_dir
+from flashdraft.config import load_config
+from flashdraft.demo import summary_line
 
 
 @pytest.mark.slow
@@ -58,6 +60,11 @@ def test_run_pipeline_end_to_end_then_everything_is_done(cli, tmp_path, tiny_mod
 
     again = cli("run", config, check=True)
     assert again.stdout.count("already done, verified") == 4
+    # The demo's last line reads the same verified eval: τ and the prompt-lookup baseline beside it.
+    evaluated = read_manifest(work / "eval").stats
+    line = summary_line(load_config(config))
+    assert f"τ = {evaluated['acceptance_length']:.2f} on {evaluated['prompts']} held-out prompts" in line
+    assert f"prompt lookup τ {evaluated['lookup_acceptance_length']:.2f}" in line
 
     plan = cli("run", config, "--dry-run", "--from", "tokenize", check=True)
     assert "generate" not in plan.stdout and "dataset" in plan.stdout
@@ -148,7 +155,6 @@ def test_example_configs_pass_dry_run(cli, name):
 def test_demo_yaml_matches_what_demo_runs():
     from pathlib import Path
 
-    from flashdraft.config import load_config
     from flashdraft.demo import demo_config
 
     example = load_config(Path(__file__).resolve().parent.parent / "examples" / "demo.yaml")

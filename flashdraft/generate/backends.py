@@ -108,7 +108,7 @@ class HFBackend:
             self.tokenizer.pad_token = self.tokenizer.eos_token
         if device == "cpu" and dtype == torch.bfloat16:
             # transformers warns that a GGUF-packed model (the embedded target) is fastest in float32; on a CPU
-            # with AVX512-BF16 bfloat16 generates ~3x faster (benchmarks/RESULTS.md), which is why it was asked.
+            # with AVX512-BF16 bfloat16 generates ~2x faster (benchmarks/RESULTS.md), which is why it was asked.
             logging.getLogger("transformers.quantizers.quantizer_gguf").setLevel(logging.ERROR)
         self.model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
         self.eos_ids = stop_token_ids(self.tokenizer, self.model.generation_config.eos_token_id)

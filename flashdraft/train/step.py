@@ -26,7 +26,7 @@ from flashdraft.model.target import Target
 from flashdraft.train.metrics import json_rates, mean_rates
 
 # Under CPU autocast (`train.bf16`) a norm gets bfloat16 input and keeps its float32 weight; torch then computes
-# it unfused and says so once per process. Harmless, and the step is still 1.6x faster (benchmarks/RESULTS.md).
+# it unfused and says so once per process. Harmless, and the step is still 1.9x faster (benchmarks/RESULTS.md).
 warnings.filterwarnings("ignore", message="Mismatch dtype between input and weight")
 
 
@@ -114,8 +114,8 @@ def batch_step(model, target: Target, rows: list, cfg: TrainConfig, generators: 
     allowed = block_masks(anchors_BN if len(live) > 1 else anchors_BN[0], k, context_len, drafter.sliding_window,
                           device)
     on_cuda = str(device).startswith("cuda")
-    with torch.autocast("cuda" if on_cuda else "cpu", dtype=torch.bfloat16, enabled=cfg.bf16 is not False and on_cuda
-                        or bool(cfg.bf16)):
+    bf16 = on_cuda if cfg.bf16 is None else cfg.bf16
+    with torch.autocast("cuda" if on_cuda else "cpu", dtype=torch.bfloat16, enabled=bf16):
         hidden = model(block_embeds, features_BCF, positions.view(len(live), -1).to(device),
                        torch.arange(context_len, device=device)[None].expand(len(live), -1), allowed)
         head = target.head_weight(drafter)

@@ -79,6 +79,17 @@ def test_greedy_hf_matches_a_bare_generate_loop(tmp_path, tiny_model_dir):
         assert completion.token_ids == ref[: len(completion.token_ids)]
 
 
+def test_dtype_sets_the_weights_the_target_generates_with(tiny_model_dir):
+    import torch
+
+    chosen = {d: HFBackend(GenerateConfig(model=tiny_model_dir, dtype=d), log=lambda s: None).model.dtype
+              for d in ("auto", "bfloat16", "float32")}
+    assert chosen == {"auto": torch.float32, "bfloat16": torch.bfloat16, "float32": torch.float32}  # on CPU
+    prompt = [Prompt("a", [{"role": "user", "content": "Hi"}])]
+    low = HFBackend(GenerateConfig(model=tiny_model_dir, dtype="bfloat16", max_new_tokens=4), log=lambda s: None)
+    assert len(low.complete(prompt)[0].token_ids) >= 1  # and it generates
+
+
 KILL_ME = """
 import sys
 from flashdraft.cli import app
