@@ -164,7 +164,7 @@ def estimate(
                                  + completion_tokens * (CHARS_PER_TOKEN + JSON_BYTES_PER_TOKEN_ID)),
         "dataset_tokens": dataset_tokens,
         "dataset_bytes": dataset_tokens * 5 + count * 40,  # int32 ids + uint8 mask; id, offsets, num_tokens
-        "offline_features_bytes": feature_bytes(dataset_tokens, len(layer_ids), shape.hidden),
+        "offline_features_bytes": feature_bytes(dataset_tokens, len(layer_ids), shape.hidden, tr.distill_topk),
         "drafter_params": params,
         "checkpoint_bytes": params * CHECKPOINT_BYTES_PER_PARAM,
         "checkpoints_kept": tr.keep_checkpoints,
@@ -198,7 +198,9 @@ def describe(est: dict[str, Any], cfg: PipelineConfig) -> list[str]:
         f"disk, dataset: {b(est['dataset_bytes'])} ({est['dataset_tokens']:,} tokens at max length "
         f"{cfg.tokenize.max_length:,})",
         f"disk, target features {features}: {b(est['offline_features_bytes'])} "
-        f"(tokens × {len(est['target_layer_ids'])} layers × {est['target']['hidden']:,} × 2 bytes)",
+        f"(tokens × {len(est['target_layer_ids'])} layers × {est['target']['hidden']:,} × 2 bytes"
+        + (f" + tokens × top {cfg.train.distill_topk} × 6 bytes for distillation" if cfg.train.distill_topk else "")
+        + ")",
         f"disk, checkpoints: {b(est['checkpoints_bytes'])} ({est['checkpoints_kept']} kept × "
         f"{b(est['checkpoint_bytes'])}: {est['drafter_params'] / 1e6:,.1f}M drafter params with AdamW state)",
         f"disk, exported drafter: {b(est['drafter_bytes'])}",

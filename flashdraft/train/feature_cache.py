@@ -66,9 +66,10 @@ class FeatureCache:
         return ids, torch.from_numpy(np.array(self.teacher_logprobs[start : start + length])).float()
 
 
-def feature_bytes(tokens: int, layers: int, hidden: int) -> int:
-    """Bytes of cached bf16 features: tokens × layers × hidden × 2 (also what `flashdraft estimate` states)."""
-    return tokens * layers * hidden * 2
+def feature_bytes(tokens: int, layers: int, hidden: int, topk: int = 0) -> int:
+    """Bytes of the cache (also what `flashdraft estimate` states): bf16 features, tokens × layers × hidden × 2,
+    plus the distillation top-k, tokens × k × (4 + 2) for the int32 ids and float16 log-probs."""
+    return tokens * (layers * hidden * 2 + topk * 6)
 
 
 def build_or_reuse(
@@ -91,9 +92,10 @@ def build_or_reuse(
 
     lengths = [min(n, max_length) for n in pc.list_value_length(dataset.data.column("input_ids")).to_pylist()]
     layers, hidden = len(target.layer_ids), target.config.hidden_size
-    size = feature_bytes(sum(lengths), layers, hidden)
-    log(f"features: caching {sum(lengths):,} tokens × {layers} layers × {hidden} × 2 bytes = {size / 1e6:,.1f} MB"
-        + (f", and the target's top {topk} next tokens at each position" if topk else ""))
+    size = feature_bytes(sum(lengths), layers, hidden, topk)
+    log(f"features: caching {sum(lengths):,} tokens × {layers} layers × {hidden} × 2 bytes"
+        + (f" + the target's top {topk} next tokens at each position × 6 bytes" if topk else "")
+        + f" = {size / 1e6:,.1f} MB")
     starts = np.concatenate([[0], np.cumsum(lengths)[:-1]]).tolist() if lengths else []
     stats = {"samples": len(lengths), "tokens": sum(lengths), "width": layers * hidden, "layer_ids": target.layer_ids,
              "topk": topk}

@@ -8,7 +8,7 @@ from flashdraft.config import TrainConfig
 from flashdraft.model.drafter import DFlashDrafter, draft_config
 from flashdraft.model.target import Target
 from flashdraft.train import BadTrainingInput, run
-from flashdraft.train.feature_cache import FeatureCache
+from flashdraft.train.feature_cache import FeatureCache, feature_bytes
 from flashdraft.train.step import batch_step, plan_batch
 
 from .test_train import quiet, tiny_cfg, tiny_dataset  # noqa: F401 (a fixture)
@@ -29,6 +29,11 @@ def test_the_cache_keeps_the_targets_top_k_and_a_new_k_rebuilds_it(tiny_target, 
     got_ids, got_logprobs = cache.teacher(2)
     assert torch.equal(got_ids, exact.indices)
     assert torch.allclose(got_logprobs, exact.values, atol=2e-2)  # float16 storage
+    # What `flashdraft estimate` says the cache weighs is what it weighs on disk.
+    stats = read_manifest(tmp_path / "a" / "features").stats
+    on_disk = sum(f.stat().st_size for f in (tmp_path / "a" / "features").glob("*.bin"))
+    layers = len(stats["layer_ids"])
+    assert on_disk == feature_bytes(stats["tokens"], layers, stats["width"] // layers, 5)
 
     # A cache without distillation has no teacher; its lineage differs, so a top-k run would not reuse it.
     run(tiny_cfg(tiny_target, max_steps=4, features="offline"), tiny_dataset, tmp_path / "b", log=quiet)
