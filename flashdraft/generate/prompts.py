@@ -176,8 +176,8 @@ def in_shard(prompt_id_hex: str, shard_index: int, num_shards: int) -> bool:
 def builtin_prompts(name: str) -> list[dict[str, str]]:
     """The demo prompt sets, generated from templates with a fixed seed: `demo` (≥ 400 distinct prompts) and
     `demo-heldout` (60), which never share a prompt: they draw from disjoint numbers and subjects — but share
-    templates. `chat` / `chat-heldout` are hand-written and share none (see builtin_chat.py). Sets joined by
-    `+` (`chat+demo`, what the demo trains on) are read one after another.
+    templates. `chat`, `chat-more` / `chat-heldout` are hand-written and share none (builtin_chat.py,
+    builtin_chat_more.py). Sets joined by `+` (`chat+chat-more`, what the demo trains on) are read in turn.
     """
     if "+" in name:
         return [record for part in name.split("+") for record in builtin_prompts(part)]
@@ -185,9 +185,14 @@ def builtin_prompts(name: str) -> list[dict[str, str]]:
         from flashdraft.generate.builtin_chat import chat_records
 
         return chat_records(heldout=name == "chat-heldout")
+    if name == "chat-more":
+        from flashdraft.generate.builtin_chat_more import more_records
+
+        return more_records()
     if name not in ("demo", "demo-heldout"):
         raise BadInput(f"unknown built-in prompt set {name!r}: use builtin:demo, builtin:demo-heldout, "
-                       "builtin:chat or builtin:chat-heldout, or several joined by + (builtin:chat+demo)")
+                       "builtin:chat, builtin:chat-more or builtin:chat-heldout, or several joined by + "
+                       "(builtin:chat+chat-more)")
     heldout = name == "demo-heldout"
     rng = random.Random(1234 if heldout else 42)
 

@@ -4,6 +4,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+from flashdraft.demo import DEMO_SETTINGS
 from flashdraft.errors import BadInput
 from flashdraft.generate.prompts import in_shard, load_prompts, normalize, prompt_id
 
@@ -154,4 +155,14 @@ def test_the_first_chat_prompts_cover_every_kind_and_sets_join_with_plus():
     joined = load_prompts("builtin:chat+demo")
     chat, demo = load_prompts("builtin:chat"), load_prompts("builtin:demo")
     assert [p.id for p in joined.prompts] == [p.id for p in chat.prompts + demo.prompts]
-    assert template_overlap(joined.prompts, heldout) == []  # what the demo trains on shares no template with it
+    assert template_overlap(joined.prompts, heldout) == []
+
+
+def test_what_the_demo_trains_on_shares_no_template_with_what_it_is_judged_on():
+    trained = load_prompts(DEMO_SETTINGS["generate.prompts"])
+    judged = load_prompts(DEMO_SETTINGS["eval.prompts"]).prompts[: DEMO_SETTINGS["eval.max_prompts"]]
+    assert len(trained.prompts) == DEMO_SETTINGS["generate.max_prompts"] and not trained.rejected  # all of them
+    assert template_overlap(trained.prompts, judged) == []
+    more = load_prompts("builtin:chat-more").prompts
+    assert len(more) >= 700 and {p.category for p in more[:4]} == {"math", "code", "explain", "writing"}
+    assert not {p.id for p in more} & {p.id for p in load_prompts("builtin:chat").prompts}
