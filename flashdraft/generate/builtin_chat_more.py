@@ -1,8 +1,10 @@
 """`builtin:chat-more`: a larger hand-written training set in the style of `builtin:chat` — one prompt per
-line, each phrased on its own (no slots filled from a list), on topics the held-out set does not ask about.
+line, each phrased on its own (no slots filled from a list), written without the held-out set's openings or
+phrasing (a few topics are near theirs, e.g. leap years; the wording is not).
 
-Why it exists: the demo's drafter generalizes to unseen prompts roughly with the number of *distinct* prompts
-it trains on (benchmarks/RESULTS.md, "demo levers"). Written for this project; `tests/generate/test_prompts.py`
+Why it exists: the demo's drafter generalizes to unseen prompts with the number of *distinct* prompts it trains
+on (benchmarks/RESULTS.md, "demo levers" and "more distinct hand-written prompts": 518 → 1,267 prompts,
+τ 1.36 → 1.50). Written for this project; `tests/generate/test_prompts.py`
 checks that no held-out prompt shares an opening or a third of its word 4-grams with any of these.
 """
 

@@ -164,5 +164,5 @@ def test_what_the_demo_trains_on_shares_no_template_with_what_it_is_judged_on():
     assert len(trained.prompts) == DEMO_SETTINGS["generate.max_prompts"] and not trained.rejected  # all of them
     assert template_overlap(trained.prompts, judged) == []
     more = load_prompts("builtin:chat-more").prompts
-    assert len(more) >= 700 and {p.category for p in more[:4]} == {"math", "code", "explain", "writing"}
+    assert len(more) == 1153 and {p.category for p in more[:4]} == {"math", "code", "explain", "writing"}
     assert not {p.id for p in more} & {p.id for p in load_prompts("builtin:chat").prompts}
