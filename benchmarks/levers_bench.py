@@ -1,7 +1,7 @@
 """Demo levers (issue 20): what buys τ on prompts unlike the training set, measured side by side on 2 cores.
 
     .venv/bin/flashdraft demo --workdir /tmp/levers/demo      # optional: its data and drafter are reused
-    .venv/bin/python benchmarks/levers_bench.py [--work /tmp/levers] [--levers demo,fp32,no-init,distill]
+    .venv/bin/python benchmarks/levers_bench.py [--work /tmp/levers] [--levers demo,fp32,no-init,no-distill]
     .venv/bin/python benchmarks/levers_bench.py --work /tmp/data --set generate.prompts=builtin:chat  # data lever
 
 The demo's data is built once under --work with the demo's own settings (`flashdraft run --until tokenize`:
@@ -36,7 +36,7 @@ LEVERS = {
     "demo": ("the demo's settings", {}),
     "fp32": ("float32 matmuls instead of bfloat16 autocast", {"bf16": False}),
     "no-init": ("draft layers from random weights, not the target's last layers", {"init_from_target": False}),
-    "distill": ("+ cross-entropy on the target's top-16 (weight 0.5)", {"distill_topk": 16}),
+    "no-distill": ("hard labels only, no distillation on the target's top-16", {"distill_topk": 0}),
     "anchors-32": ("32 anchors per sequence instead of 16", {"max_anchors": 32}),
     "steps-x2": ("twice the optimizer steps", "double"),
     "vocab-8192": ("an 8,192-token draft vocabulary instead of 4,096", {"draft_vocab_size": 8192}),
@@ -82,7 +82,7 @@ def score(drafter: Path, data: Path) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--work", type=Path, default=Path("/tmp/levers"))
-    ap.add_argument("--levers", default="demo,fp32,no-init,distill")
+    ap.add_argument("--levers", default="demo,fp32,no-init,no-distill")
     ap.add_argument("--no-record", action="store_true")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                     help="change the demo's config for every lever, e.g. generate.prompts=builtin:chat+chat-more "
