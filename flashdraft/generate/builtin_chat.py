@@ -199,12 +199,15 @@ CHAT_HELDOUT = {
 
 
 def chat_records(heldout: bool) -> list[dict]:
-    """The set as prompt records (`prompt` or `messages`, with `category`), the kinds interleaved so that the
-    first N prompts (`max_prompts`) cover every kind."""
-    source = CHAT_HELDOUT if heldout else CHAT
+    return records(CHAT_HELDOUT if heldout else CHAT)
+
+
+def records(source: dict[str, list]) -> list[dict]:
+    """A hand-written set as prompt records (`prompt` or `messages`, with `category`), the kinds interleaved so
+    that the first N prompts (`max_prompts`) cover every kind. Also reads `builtin_chat_more.MORE`."""
     by_kind = []
     for category, prompts in source.items():
         by_kind.append([{"messages": p, "category": "multi-turn"} if isinstance(p, list)
                         else {"prompt": p, "category": category} for p in prompts])
-    longest = max(len(records) for records in by_kind)
-    return [records[i] for i in range(longest) for records in by_kind if i < len(records)]
+    longest = max(len(rows) for rows in by_kind)
+    return [rows[i] for i in range(longest) for rows in by_kind if i < len(rows)]

@@ -1174,9 +1174,3 @@ MORE = {
     ],
 }
 
-
-def more_records() -> list[dict]:
-    """The set as prompt records, the kinds interleaved so that any first N prompts cover every kind."""
-    by_kind = [[{"prompt": p, "category": category} for p in prompts] for category, prompts in MORE.items()]
-    longest = max(len(records) for records in by_kind)
-    return [records[i] for i in range(longest) for records in by_kind if i < len(records)]

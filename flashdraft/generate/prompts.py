@@ -186,9 +186,10 @@ def builtin_prompts(name: str) -> list[dict[str, str]]:
 
         return chat_records(heldout=name == "chat-heldout")
     if name == "chat-more":
-        from flashdraft.generate.builtin_chat_more import more_records
+        from flashdraft.generate.builtin_chat import records
+        from flashdraft.generate.builtin_chat_more import MORE
 
-        return more_records()
+        return records(MORE)
     if name not in ("demo", "demo-heldout"):
         raise BadInput(f"unknown built-in prompt set {name!r}: use builtin:demo, builtin:demo-heldout, "
                        "builtin:chat, builtin:chat-more or builtin:chat-heldout, or several joined by + "
