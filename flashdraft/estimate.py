@@ -20,7 +20,7 @@ from typing import Any
 from flashdraft.config import EMBEDDED_TARGET, PipelineConfig
 from flashdraft.errors import BadInput
 from flashdraft.model.drafter import uniform_layer_ids
-from flashdraft.train.feature_cache import feature_bytes
+from flashdraft.train.feature_cache import TEACHER_BYTES, feature_bytes
 
 CHARS_PER_TOKEN = 4.0  # fallback when the tokenizer is not on this machine
 TEMPLATE_TOKENS_PER_MESSAGE = 5  # chat-template scaffolding (role header, end-of-turn) per message
@@ -199,7 +199,8 @@ def describe(est: dict[str, Any], cfg: PipelineConfig) -> list[str]:
         f"{cfg.tokenize.max_length:,})",
         f"disk, target features {features}: {b(est['offline_features_bytes'])} "
         f"(tokens × {len(est['target_layer_ids'])} layers × {est['target']['hidden']:,} × 2 bytes"
-        + (f" + tokens × top {cfg.train.distill_topk} × 6 bytes for distillation" if cfg.train.distill_topk else "")
+        + (f" + tokens × top {cfg.train.distill_topk} × {TEACHER_BYTES} bytes for distillation"
+           if cfg.train.distill_topk else "")
         + ")",
         f"disk, checkpoints: {b(est['checkpoints_bytes'])} ({est['checkpoints_kept']} kept × "
         f"{b(est['checkpoint_bytes'])}: {est['drafter_params'] / 1e6:,.1f}M drafter params with AdamW state)",

@@ -35,6 +35,7 @@ from flashdraft.train.distributed import Placement, barrier
 
 DATA, INDEX = "features.bin", "index.json"
 TEACHER_IDS, TEACHER_LOGPROBS = "teacher_ids.bin", "teacher_logprobs.bin"
+TEACHER_BYTES = 4 + 2  # per top-k entry: an int32 id and a float16 log-prob
 
 
 class FeatureCache:
@@ -68,8 +69,8 @@ class FeatureCache:
 
 def feature_bytes(tokens: int, layers: int, hidden: int, topk: int = 0) -> int:
     """Bytes of the cache (also what `flashdraft estimate` states): bf16 features, tokens × layers × hidden × 2,
-    plus the distillation top-k, tokens × k × (4 + 2) for the int32 ids and float16 log-probs."""
-    return tokens * (layers * hidden * 2 + topk * 6)
+    plus the distillation top-k, tokens × k × TEACHER_BYTES."""
+    return tokens * (layers * hidden * 2 + topk * TEACHER_BYTES)
 
 
 def build_or_reuse(
@@ -94,7 +95,7 @@ def build_or_reuse(
     layers, hidden = len(target.layer_ids), target.config.hidden_size
     size = feature_bytes(sum(lengths), layers, hidden, topk)
     log(f"features: caching {sum(lengths):,} tokens × {layers} layers × {hidden} × 2 bytes"
-        + (f" + the target's top {topk} next tokens at each position × 6 bytes" if topk else "")
+        + (f" + the target's top {topk} next tokens at each position × {TEACHER_BYTES} bytes" if topk else "")
         + f" = {size / 1e6:,.1f} MB")
     starts = np.concatenate([[0], np.cumsum(lengths)[:-1]]).tolist() if lengths else []
     stats = {"samples": len(lengths), "tokens": sum(lengths), "width": layers * hidden, "layer_ids": target.layer_ids,
