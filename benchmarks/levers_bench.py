@@ -43,6 +43,10 @@ LEVERS = {
     "lr-1e-3": ("learning rate 1e-3 instead of 3e-3", {"lr": 1e-3}),
     "lr-6e-3": ("learning rate 6e-3 instead of 3e-3", {"lr": 6e-3}),
     "distill-0.9": ("distillation weight 0.9 instead of 0.5", {"distill_weight": 0.9}),
+    "layers-1": ("1 draft layer instead of 2", {"num_layers": 1}),
+    "layers-4": ("4 draft layers instead of 2", {"num_layers": 4}),
+    "big": ("4 layers, 32 anchors, twice the steps: what τ costs past the budget",
+            {"num_layers": 4, "max_anchors": 32, "max_steps": 3600}),
 }
 
 

@@ -23,12 +23,16 @@ def test_the_cache_keeps_the_targets_top_k_and_a_new_k_rebuilds_it(tiny_target, 
     cache = FeatureCache(tmp_path / "a" / "features")
     target = Target(tiny_target, "cpu", quiet)
     target.watch(read_manifest(tmp_path / "a" / "features").stats["layer_ids"])
-    ids = torch.as_tensor(__import__("datasets").load_from_disk(str(tiny_dataset))[2]["input_ids"])
+    sample = __import__("datasets").load_from_disk(str(tiny_dataset))[2]
+    ids, mask = torch.as_tensor(sample["input_ids"]), torch.as_tensor(sample["loss_mask"]).bool()
     output, _ = target.forward(ids[None])
     exact = torch.log_softmax(target.lm_head(output.last_hidden_state[0]).float(), -1).topk(5, dim=-1)
     got_ids, got_logprobs = cache.teacher(2)
-    assert torch.equal(got_ids, exact.indices)
-    assert torch.allclose(got_logprobs, exact.values, atol=2e-2)  # float16 storage
+    read = torch.cat([mask[1:], torch.tensor([False])])  # before a supervised token: where training reads it
+    assert 0 < read.sum() < len(ids)  # the sample has both kinds of position
+    assert torch.equal(got_ids[read], exact.indices[read])
+    assert torch.allclose(got_logprobs[read], exact.values[read], atol=2e-2)  # float16 storage
+    assert not got_ids[~read].any() and not got_logprobs[~read].any()  # not computed: zeros, no loss weight there
     # What `flashdraft estimate` says the cache weighs is what it weighs on disk.
     stats = read_manifest(tmp_path / "a" / "features").stats
     on_disk = sum(f.stat().st_size for f in (tmp_path / "a" / "features").glob("*.bin"))
@@ -92,3 +96,15 @@ def test_bf16_autocast_on_cpu_computes_in_bfloat16(small, tiny_target):
     low = one_sequence(target, drafter, cfg.model_copy(update={"bf16": True}), None)
     assert low != exact  # it did run in another precision…
     assert low == pytest.approx(exact, rel=2e-2)  # …of the same numbers
+
+
+def test_feature_batches_cover_every_sample_once_within_the_token_budget():
+    from flashdraft.train.feature_cache import BATCH_TOKENS, _length_batches
+
+    lengths = [40, 2000, 0, 100, 101, 99, 1024, 300, 7, 512, 513]
+    batches = _length_batches(lengths)
+    assert sorted(i for batch in batches for i in batch) == list(range(len(lengths)))
+    for batch in batches:
+        assert len(batch) == 1 or len(batch) * max(lengths[i] for i in batch) <= BATCH_TOKENS
+    assert [1] in batches and [6] in batches  # a sample at or past the budget goes alone
+    assert any({3, 4, 5} <= set(batch) for batch in batches)  # similar lengths share a pass
