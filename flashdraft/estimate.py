@@ -151,7 +151,7 @@ def estimate(
     dataset_tokens = int(count * per_sample)
     layer_ids = tr.target_layer_ids or uniform_layer_ids(shape.layers, tr.num_layers)
     params = drafter_params(shape, tr.num_layers, len(layer_ids))
-    steps = math.ceil(count / tr.batch_size) * tr.epochs
+    steps = tr.max_steps or math.ceil(count / tr.batch_size) * tr.epochs  # max_steps, when set, is the run's length
     rate = tokens_per_s if tokens_per_s is not None else DEFAULT_TOKENS_PER_S[g.backend] * max(1, len(g.base_urls))
     return {
         "prompts": count,
@@ -205,8 +205,10 @@ def describe(est: dict[str, Any], cfg: PipelineConfig) -> list[str]:
         f"disk, checkpoints: {b(est['checkpoints_bytes'])} ({est['checkpoints_kept']} kept × "
         f"{b(est['checkpoint_bytes'])}: {est['drafter_params'] / 1e6:,.1f}M drafter params with AdamW state)",
         f"disk, exported drafter: {b(est['drafter_bytes'])}",
-        f"train: {est['train_steps_one_process']:,} optimizer steps on one process ({cfg.train.epochs} epochs, "
-        f"batch {cfg.train.batch_size}); divide by the number of torchrun processes",
+        f"train: {est['train_steps_one_process']:,} optimizer steps on one process ("
+        + (f"max_steps, ≈ {cfg.train.max_steps * cfg.train.batch_size / max(1, est['prompts']):,.1f} epochs"
+           if cfg.train.max_steps else f"{cfg.train.epochs} epochs")
+        + f", batch {cfg.train.batch_size}); divide by the number of torchrun processes",
         f"target: {est['target']['layers']} layers, hidden {est['target']['hidden']:,}, vocab "
         f"{est['target']['vocab']:,} (from {est['target']['from']}); features from layers {est['target_layer_ids']}",
     ]

@@ -52,6 +52,14 @@ def test_estimate_of_a_local_config_matches_the_real_drafter(cli, tmp_path, tiny
     assert est["train_steps_one_process"] == 3 * 3  # 12 samples / batch 4, 3 epochs
 
 
+def test_estimate_counts_max_steps_when_set(cli):
+    """The demo sets max_steps (1,800, ~5.7 epochs): the estimate says the steps training will run."""
+    demo = str(EXAMPLES / "demo.yaml")
+    text = cli("estimate", demo, check=True).stdout
+    assert _last_json(cli("estimate", demo, "--json", check=True))["train_steps_one_process"] == 1800
+    assert "train: 1,800 optimizer steps on one process (max_steps, ≈ 5.7 epochs, batch 4)" in text
+
+
 def test_estimate_of_the_8b_example_states_rate_and_sizes(cli, tmp_path):
     target = tmp_path / "config.json"
     target.write_text(json.dumps(QWEN3_8B))
