@@ -46,6 +46,7 @@ def main() -> None:
     from flashdraft.artifact.manifest import Lineage
     from flashdraft.demo import DEMO_SETTINGS
     from flashdraft.model.resolve import resolve_model
+    from flashdraft.model.target import Target
     from flashdraft.train.feature_cache import _length_batches, build_or_reuse
 
     torch.set_grad_enabled(False)
@@ -53,8 +54,6 @@ def main() -> None:
     dataset = dataset.select(range(min(args.samples, len(dataset))))
     lengths = [len(row["input_ids"]) for row in dataset]
     tokens = sum(lengths)
-    from flashdraft.model.target import Target
-
     target = Target(resolve_model("embedded", log=lambda s: None), "cpu", lambda s: None)
     layers = DEMO_SETTINGS["train.target_layer_ids"]
     topk = DEMO_SETTINGS["train.distill_topk"]

@@ -158,16 +158,17 @@ def _fill(files: list, batch: list[int], starts: list[int], lengths: list[int], 
     longest = max(lengths[i] for i in batch)
     if longest == 0:
         return
+    samples = [dataset[i] for i in batch]  # read once: ids for the pass, loss masks for the top-k
     ids = torch.zeros(len(batch), longest, dtype=torch.long)
     for b, i in enumerate(batch):
-        ids[b, : lengths[i]] = torch.as_tensor(dataset[i]["input_ids"][: lengths[i]])
+        ids[b, : lengths[i]] = torch.as_tensor(samples[b]["input_ids"][: lengths[i]])
     output, features = target.forward(ids)
     for b, i in enumerate(batch):
         rows = slice(starts[i], starts[i] + lengths[i])
         files[0][rows] = features[b, : lengths[i]].to("cpu", torch.bfloat16).view(torch.int16).numpy()
         if not topk:
             continue
-        mask = torch.as_tensor(dataset[i]["loss_mask"][: lengths[i]]).bool()
+        mask = torch.as_tensor(samples[b]["loss_mask"][: lengths[i]]).bool()
         read = torch.nonzero(mask[1:], as_tuple=True)[0]  # positions p with a supervised token at p + 1
         if len(read):
             logprobs = torch.log_softmax(target.lm_head(output.last_hidden_state[b, read]).float(), dim=-1)
