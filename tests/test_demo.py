@@ -161,6 +161,27 @@ def test_demo_yaml_matches_what_demo_runs():
     assert example == demo_config(Path("flashdraft-work"))
 
 
+def test_readme_describes_the_demo_that_runs():
+    """The README's demo row names the settings `flashdraft demo` runs; changing one without it fails here."""
+    from pathlib import Path
+
+    from flashdraft.demo import DEMO_SETTINGS
+
+    row = next(line for line in (Path(__file__).resolve().parent.parent / "README.md").read_text().splitlines()
+               if line.startswith("| `flashdraft demo` |"))
+    words = {1: "one", 2: "two", 3: "three", 4: "four", 5: "five", 6: "six"}
+    said = [
+        f"{DEMO_SETTINGS['generate.max_prompts']:,} hand-written prompts (`{DEMO_SETTINGS['generate.prompts']}`",
+        f"up to {DEMO_SETTINGS['generate.max_new_tokens']} tokens",
+        f"a {words[DEMO_SETTINGS['train.num_layers']]}-layer drafter",
+        f"trained {DEMO_SETTINGS['train.max_steps']:,} steps",
+        f"top-{DEMO_SETTINGS['train.distill_topk']} next tokens",
+        f"{DEMO_SETTINGS['train.draft_vocab_size']:,}-token draft vocabulary",
+        f"{DEMO_SETTINGS['eval.max_prompts']} hand-written held-out prompts (`{DEMO_SETTINGS['eval.prompts']}`)",
+    ]
+    assert [phrase for phrase in said if phrase not in row] == []
+
+
 def _kill_when(args: list[str], appears, timeout: float = 300) -> None:
     """Start `flashdraft …`, SIGKILL it the moment `appears()` is true (or fail if it never is)."""
     import os

@@ -109,18 +109,17 @@ def build_or_reuse(
         columns = {DATA: (np.int16, layers * hidden)}
         if topk:
             columns |= {TEACHER_IDS: (np.int32, topk), TEACHER_LOGPROBS: (np.float16, topk)}
-        files = [_rows_file(tmp / name, dtype, (sum(lengths), width)) for name, (dtype, width) in columns.items()]
+        files = {name: _rows_file(tmp / name, dtype, (sum(lengths), width)) for name, (dtype, width) in columns.items()}
         with progress(console, "features", total=len(lengths)) as update:
             for batch in _length_batches(lengths):
                 _fill(files, batch, starts, lengths, target, dataset, topk)
                 update(advance=len(batch))
-        for rows in files:
+        for name, rows in files.items():  # flush the map, then fsync: a crash after the manifest cannot lose rows
             if rows is not None:
                 rows.flush()
-        del files
-        for name in columns:  # the maps are flushed; fsync so that a crash after the manifest cannot lose rows
             with open(tmp / name, "rb+") as handle:
                 os.fsync(handle.fileno())
+        del files
         atomic_write_text(tmp / INDEX, json.dumps({"starts": starts, "lengths": lengths, "width": layers * hidden,
                                                    "topk": topk}))
     return FeatureCache(out)
@@ -151,7 +150,7 @@ def _rows_file(path: Path, dtype, shape: tuple[int, int]):
 
 
 @torch.no_grad()
-def _fill(files: list, batch: list[int], starts: list[int], lengths: list[int], target, dataset, topk: int) -> None:
+def _fill(files: dict, batch: list[int], starts: list[int], lengths: list[int], target, dataset, topk: int) -> None:
     """One target pass over a batch of samples (right-padded: the target is causal, so a sample's positions
     never see the padding), each sample's rows written at its place. The top-k is computed only where training
     reads it, before a supervised token; other rows keep zeros (ids 0, log-prob 0), which carry no loss weight."""
@@ -165,7 +164,7 @@ def _fill(files: list, batch: list[int], starts: list[int], lengths: list[int], 
     output, features = target.forward(ids)
     for b, i in enumerate(batch):
         rows = slice(starts[i], starts[i] + lengths[i])
-        files[0][rows] = features[b, : lengths[i]].to("cpu", torch.bfloat16).view(torch.int16).numpy()
+        files[DATA][rows] = features[b, : lengths[i]].to("cpu", torch.bfloat16).view(torch.int16).numpy()
         if not topk:
             continue
         mask = torch.as_tensor(samples[b]["loss_mask"][: lengths[i]]).bool()
@@ -173,8 +172,8 @@ def _fill(files: list, batch: list[int], starts: list[int], lengths: list[int], 
         if len(read):
             logprobs = torch.log_softmax(target.lm_head(output.last_hidden_state[b, read]).float(), dim=-1)
             top = logprobs.topk(topk, dim=-1)
-            files[1][starts[i] + read.numpy()] = top.indices.to("cpu", torch.int32).numpy()
-            files[2][starts[i] + read.numpy()] = top.values.to("cpu", torch.float16).numpy()
+            files[TEACHER_IDS][starts[i] + read.numpy()] = top.indices.to("cpu", torch.int32).numpy()
+            files[TEACHER_LOGPROBS][starts[i] + read.numpy()] = top.values.to("cpu", torch.float16).numpy()
 
 
 def offline_features(cfg: TrainConfig, data: Path, out: Path, target: Target, target_path: str, dataset,
