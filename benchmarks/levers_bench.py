@@ -45,6 +45,10 @@ LEVERS = {
     "distill-0.9": ("distillation weight 0.9 instead of 0.5", {"distill_weight": 0.9}),
     "layers-1": ("1 draft layer instead of 2", {"num_layers": 1}),
     "layers-4": ("4 draft layers instead of 2", {"num_layers": 4}),
+    "wd-0.1": ("AdamW weight decay 0.1 instead of 0", {"weight_decay": 0.1}),
+    "gamma-2": ("loss decay γ 2 instead of the paper's 4 for block 8: weight on the first positions",
+                {"loss_decay_gamma": 2.0}),
+    "gamma-1": ("loss decay γ 1 instead of 4", {"loss_decay_gamma": 1.0}),
     "big": ("4 layers, 32 anchors, twice the steps: what τ costs past the budget",
             {"num_layers": 4, "max_anchors": 32, "max_steps": 3600}),
 }

@@ -93,6 +93,9 @@ class TrainConfig(Section):
     # the target runs on other devices than the drafter (online features). Same losses either way (tested).
     prefetch: bool | None = None
     weight_decay: NonNegativeFloat = 0.0
+    # the loss weight of block position k is exp(−(k−1)/γ); None = the paper's γ for the block size (16: 7,
+    # 10: 5, 8: 4). A smaller γ puts the weight on the first positions, which is what a weak drafter's τ rides on.
+    loss_decay_gamma: PositiveFloat | None = None
     checkpoint_every: Positive = 200  # optimizer steps; also at every epoch end
     keep_checkpoints: Positive = 3  # newest complete checkpoints kept locally; older ones are deleted
     push_to: str | None = None  # local dir or s3:// URL each checkpoint and the drafter are pushed to, verified

@@ -103,7 +103,8 @@ def batch_step(model, target: Target, rows: list, cfg: TrainConfig, generators: 
     positions = torch.zeros(len(live), n_max, k, dtype=torch.long)
     targets = []
     for b, (_, ids_T, mask_T, anchors) in enumerate(live):
-        ids_b, pos_b, labels, weights = build_blocks(ids_T, mask_T, anchors, k, drafter.mask_token_id)
+        ids_b, pos_b, labels, weights = build_blocks(ids_T, mask_T, anchors, k, drafter.mask_token_id,
+                                                       cfg.loss_decay_gamma)
         n = len(anchors)
         anchors_BN[b, :n], block_ids[b, :n], positions[b, :n] = anchors, ids_b, pos_b
         positions[b, n:] = torch.arange(k)  # padding blocks: any positions, they see only themselves

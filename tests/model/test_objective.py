@@ -1,5 +1,7 @@
 """The DFlash training objective: the block mask, same-position labels, anchors, τ from rates, layer picks."""
 
+import math
+
 import pytest
 import torch
 
@@ -114,6 +116,11 @@ def test_blocks_use_same_position_labels_and_decay():
     assert labels.tolist() == [[105, 106, 107, 108], [112, 113, 114, 115]]  # the token AT anchor + k
     assert weights[:, 0].tolist() == [0.0, 0.0]  # the anchor is not predicted
     assert weights[0, 1] == 1.0 and weights[0, 2] < 1.0 and weights[0, 3] < weights[0, 2]
+    # The paper's γ for a block size unless `train.loss_decay_gamma` gives one: exp(−(k−1)/γ).
+    paper = build_blocks(ids, mask, anchors, 8, mask_token_id=999)[3][0]
+    steep = build_blocks(ids, mask, anchors, 8, mask_token_id=999, gamma=2.0)[3][0]
+    assert paper[2].item() == pytest.approx(math.exp(-1 / 4)) and steep[2].item() == pytest.approx(math.exp(-1 / 2))
+    assert steep[1] == paper[1] == 1.0 and steep[7] < paper[7]
 
 
 def test_anchors_come_from_supervised_positions_where_a_block_fits():
