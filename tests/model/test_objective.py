@@ -6,7 +6,13 @@ import pytest
 import torch
 
 from flashdraft.model.drafter import DFlashDrafter, draft_config, uniform_layer_ids
-from flashdraft.model.objective import block_attention_mask, build_blocks, expected_acceptance_length, sample_anchors
+from flashdraft.model.objective import (
+    block_attention_mask,
+    build_blocks,
+    expected_acceptance_length,
+    loss_gamma,
+    sample_anchors,
+)
 
 # ------------------------------------------------------------------------------------------- the mask
 
@@ -121,6 +127,7 @@ def test_blocks_use_same_position_labels_and_decay():
     steep = build_blocks(ids, mask, anchors, 8, mask_token_id=999, gamma=2.0)[3][0]
     assert paper[2].item() == pytest.approx(math.exp(-1 / 4)) and steep[2].item() == pytest.approx(math.exp(-1 / 2))
     assert steep[1] == paper[1] == 1.0 and steep[7] < paper[7]
+    assert (loss_gamma(16), loss_gamma(10), loss_gamma(8)) == (7.0, 5.0, 4.0)
 
 
 def test_anchors_come_from_supervised_positions_where_a_block_fits():

@@ -97,6 +97,20 @@ def test_overfit_one_sequence_reproduces_it_at_block_positions(tiny_target, tmp_
     assert same_position > 0.9 and shifted < 0.2
 
 
+def test_the_loss_decay_setting_reaches_the_step(tiny_target):
+    """`train.loss_decay_gamma` weighs the step's loss: the paper's γ (4 at block 8) is the default, another differs."""
+    ids, mask = torch.randint(0, 120, (40,), generator=torch.Generator().manual_seed(1)), torch.ones(40)
+    target = Target(tiny_target, "cpu", quiet)
+    drafter = DFlashDrafter(draft_config(target.config, num_layers=1, block_size=8, mask_token_id=127))
+    target.watch(drafter.target_layer_ids)
+
+    def loss(**overrides):
+        cfg = tiny_cfg(tiny_target, max_anchors=8, **overrides)
+        return sequence_step(drafter, target, ids, mask, cfg, torch.Generator().manual_seed(0), "cpu")["loss"].item()
+
+    assert loss() == pytest.approx(loss(loss_decay_gamma=4.0)) and loss() != pytest.approx(loss(loss_decay_gamma=1.0))
+
+
 def test_training_run_checkpoints_exports_and_reruns_as_done(tiny_target, tiny_dataset, tmp_path):
     out = tmp_path / "out"
     stats = run(tiny_cfg(tiny_target, epochs=2, keep_checkpoints=10), tiny_dataset, out, log=quiet)
