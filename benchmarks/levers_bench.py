@@ -49,6 +49,8 @@ LEVERS = {
     "gamma-2": ("loss decay γ 2 instead of the paper's 4 for block 8: weight on the first positions",
                 {"loss_decay_gamma": 2.0}),
     "gamma-1": ("loss decay γ 1 instead of 4", {"loss_decay_gamma": 1.0}),
+    "block-4": ("block size 4 with 32 anchors instead of 8 with 16 (as many block positions a step)",
+                {"block_size": 4, "max_anchors": 32}),
     "big": ("4 layers, 32 anchors, twice the steps: what τ costs past the budget",
             {"num_layers": 4, "max_anchors": 32, "max_steps": 3600}),
 }

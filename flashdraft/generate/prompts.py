@@ -12,6 +12,7 @@ records are returned with their line number and the reason, never silently skipp
 from __future__ import annotations
 
 import random
+import re
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -171,6 +172,33 @@ def in_shard(prompt_id_hex: str, shard_index: int, num_shards: int) -> bool:
 
 
 # ---------------------------------------------------------------------------------------------- built-in set
+
+
+def user_text(prompt: Prompt) -> str:
+    return " ".join(m["content"] for m in prompt.messages if m["role"] == "user")
+
+
+def templated_like(train: list[Prompt], heldout: list[Prompt]) -> list[str]:
+    """The held-out prompts (their user text) that look templated from a training one: the same first three
+    words, or a third or more of their word 4-grams found in one training prompt. How the built-in held-out sets
+    are kept honest (tested), and how generated prompts are screened against them."""
+    def words(prompt: Prompt) -> list[str]:
+        return re.findall(r"[a-z0-9']+", user_text(prompt).lower())
+
+    def grams(ws: list[str]) -> set[tuple[str, ...]]:
+        return {tuple(ws[i : i + 4]) for i in range(len(ws) - 3)}
+
+    seen = [(ws, grams(ws)) for ws in map(words, train)]
+    flagged = []
+    for p in heldout:
+        mine_words = words(p)
+        mine = grams(mine_words)
+        for other_words, other_grams in seen:
+            shared_opening = len(mine_words) >= 3 and mine_words[:3] == other_words[:3]
+            if shared_opening or (mine and len(mine & other_grams) >= len(mine) / 3):
+                flagged.append(user_text(p))
+                break
+    return flagged
 
 
 def builtin_prompts(name: str) -> list[dict[str, str]]:

@@ -6,7 +6,7 @@ import pytest
 
 from flashdraft.demo import DEMO_SETTINGS
 from flashdraft.errors import BadInput
-from flashdraft.generate.prompts import in_shard, load_prompts, normalize, prompt_id
+from flashdraft.generate.prompts import in_shard, load_prompts, normalize, prompt_id, templated_like
 
 
 def write_jsonl(path, lines):
@@ -108,45 +108,16 @@ def test_prompt_id_is_content_hash():
     assert a == prompt_id([{"content": "x", "role": "user"}]) and a != prompt_id([{"role": "user", "content": "y"}])
 
 
-def _words(text: str) -> list[str]:
-    import re
-
-    return re.findall(r"[a-z0-9']+", text.lower())
-
-
-def _user_text(prompt) -> str:
-    return " ".join(m["content"] for m in prompt.messages if m["role"] == "user")
-
-
-def template_overlap(train: list, heldout: list) -> list[str]:
-    """Held-out prompts that look templated from a training one: the same first three words, or a third or
-    more of their word 4-grams found in one training prompt."""
-    def grams(words):
-        return {tuple(words[i : i + 4]) for i in range(len(words) - 3)}
-
-    seen = [(_words(_user_text(p)), grams(_words(_user_text(p)))) for p in train]
-    flagged = []
-    for p in heldout:
-        words = _words(_user_text(p))
-        mine = grams(words)
-        for other_words, other_grams in seen:
-            shared_opening = len(words) >= 3 and words[:3] == other_words[:3]
-            if shared_opening or (mine and len(mine & other_grams) >= len(mine) / 3):
-                flagged.append(_user_text(p))
-                break
-    return flagged
-
-
 def test_builtin_chat_heldout_shares_no_template_with_training():
     train, heldout = load_prompts("builtin:chat"), load_prompts("builtin:chat-heldout")
     assert len(train.prompts) >= 100 and len(heldout.prompts) >= 40 and not train.rejected and not heldout.rejected
     categories = {p.category for p in heldout.prompts}
     assert {"math", "code", "explain", "writing"} <= categories
     assert any(len(p.messages) > 1 for p in train.prompts)  # some multi-turn and system-prompted records
-    assert template_overlap(train.prompts, heldout.prompts) == []
+    assert templated_like(train.prompts, heldout.prompts) == []
     # The check can fail: the templated demo sets share openings throughout.
     demo, demo_heldout = load_prompts("builtin:demo"), load_prompts("builtin:demo-heldout")
-    assert len(template_overlap(demo.prompts, demo_heldout.prompts)) > len(demo_heldout.prompts) // 2
+    assert len(templated_like(demo.prompts, demo_heldout.prompts)) > len(demo_heldout.prompts) // 2
 
 
 def test_the_first_chat_prompts_cover_every_kind_and_sets_join_with_plus():
@@ -155,14 +126,14 @@ def test_the_first_chat_prompts_cover_every_kind_and_sets_join_with_plus():
     joined = load_prompts("builtin:chat+demo")
     chat, demo = load_prompts("builtin:chat"), load_prompts("builtin:demo")
     assert [p.id for p in joined.prompts] == [p.id for p in chat.prompts + demo.prompts]
-    assert template_overlap(joined.prompts, heldout) == []
+    assert templated_like(joined.prompts, heldout) == []
 
 
 def test_what_the_demo_trains_on_shares_no_template_with_what_it_is_judged_on():
     trained = load_prompts(DEMO_SETTINGS["generate.prompts"])
     judged = load_prompts(DEMO_SETTINGS["eval.prompts"]).prompts[: DEMO_SETTINGS["eval.max_prompts"]]
     assert len(trained.prompts) == DEMO_SETTINGS["generate.max_prompts"] and not trained.rejected  # all of them
-    assert template_overlap(trained.prompts, judged) == []
+    assert templated_like(trained.prompts, judged) == []
     more = load_prompts("builtin:chat-more").prompts
     assert len(more) == 1153 and {p.category for p in more[:4]} == {"math", "code", "explain", "writing"}
     assert not {p.id for p in more} & {p.id for p in load_prompts("builtin:chat").prompts}
