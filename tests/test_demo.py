@@ -174,6 +174,7 @@ def test_readme_describes_the_demo_that_runs():
         f"{DEMO_SETTINGS['generate.max_prompts']:,} hand-written prompts (`{DEMO_SETTINGS['generate.prompts']}`",
         f"up to {DEMO_SETTINGS['generate.max_new_tokens']} tokens",
         f"a {words[DEMO_SETTINGS['train.num_layers']]}-layer drafter",
+        f"blocks of {DEMO_SETTINGS['train.block_size']}, {DEMO_SETTINGS['train.max_anchors']} anchors a sequence",
         f"trained {DEMO_SETTINGS['train.max_steps']:,} steps",
         f"top-{DEMO_SETTINGS['train.distill_topk']} next tokens",
         f"{DEMO_SETTINGS['train.draft_vocab_size']:,}-token draft vocabulary",
