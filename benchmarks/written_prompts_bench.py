@@ -129,9 +129,8 @@ def main() -> None:
 
     def timed(name, fn):
         t0 = time.perf_counter()
-        result = fn()
+        fn()
         seconds[name] = round(time.perf_counter() - t0)
-        return result
 
     (out / "meta.jsonl").write_text("".join(json.dumps(r) + "\n" for r in meta_prompts(args.questions)))
     timed("questions", lambda: flashdraft(
@@ -147,12 +146,13 @@ def main() -> None:
     timed("tokenize", lambda: flashdraft(
         "tokenize", "--input", str(demo_generated), "--input", str(out / "answers"), "--out", str(out / "dataset"),
         "--max-length", str(base["tokenize"]["max_length"]), "--block-size", str(base["tokenize"]["block_size"])))
-    config = out / "train.yaml"
+    config = out / f"train-{args.steps}.yaml"
     config.write_text(yaml.safe_dump({**base, "train": {**base["train"], "max_steps": args.steps}}))
+    trained = out / f"train-{args.steps}"  # the data above is shared by runs of other --steps; each trains its own
     timed("features + training", lambda: flashdraft(
-        "train", "--config", str(config), "--data", str(out / "dataset"), "--out", str(out / "train")))
+        "train", "--config", str(config), "--data", str(out / "dataset"), "--out", str(trained)))
     row = {"written_questions": len(kept), "dropped": dropped, "steps": args.steps, "seconds": seconds,
-           **score(out / "train" / "drafter", heldout_dataset(args.work))}
+           **score(trained / "drafter", heldout_dataset(args.work))}
     print(json.dumps(row))
 
 
