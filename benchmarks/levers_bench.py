@@ -52,6 +52,12 @@ LEVERS = {
     "block-4": ("blocks of 4 with 32 anchors (as many block positions a step as 8 × 16)",
                 {"block_size": 4, "max_anchors": 32}),
     "block-8": ("blocks of 8 with 16 anchors (the demo's before blocks of 4)", {"block_size": 8, "max_anchors": 16}),
+    "watch-25": ("watched layers 1, 8, 14, 21, 25: the deepest feeds the first of 4 copied layers (26)",
+                 {"target_layer_ids": [1, 8, 14, 21, 25]}),
+    "watch-29": ("watched layers 1, 8, 14, 21, 29: the deepest is the target's last layer",
+                 {"target_layer_ids": [1, 8, 14, 21, 29]}),
+    "steps-x4": ("four times the optimizer steps (7,200): how far steps alone go, past the budget",
+                 {"max_steps": 7200}),
     "big": ("4 layers, 32 anchors, twice the steps: what τ costs past the budget",
             {"num_layers": 4, "max_anchors": 32, "max_steps": 3600}),
 }
