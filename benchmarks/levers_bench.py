@@ -58,6 +58,8 @@ LEVERS = {
                  {"target_layer_ids": [1, 8, 14, 21, 29]}),
     "steps-x4": ("four times the optimizer steps (7,200): how far steps alone go, past the budget",
                  {"max_steps": 7200}),
+    "bf16-target": ("the target in bfloat16 for the feature cache and the scoring (eval.target_dtype too)",
+                    {"target_dtype": "bfloat16"}),
     "big": ("4 layers, 32 anchors, twice the steps: what τ costs past the budget",
             {"num_layers": 4, "max_anchors": 32, "max_steps": 3600}),
 }
@@ -67,17 +69,19 @@ def flashdraft(*args: str) -> None:
     subprocess.run([*CLI, *args], cwd=ROOT, check=True, stdout=subprocess.DEVNULL)
 
 
-def heldout_dataset(work: Path) -> Path:
-    """The target's answers to the held-out prompts, tokenized (reused when done)."""
-    flashdraft("generate", "--prompts", "builtin:chat-heldout", "--max-new-tokens", "96", "--dtype", "float32",
-               "--out", str(work / "heldout-gen"))
-    flashdraft("tokenize", "--input", str(work / "heldout-gen"), "--out", str(work / "heldout-data"),
+def heldout_dataset(work: Path, dtype: str = "float32") -> Path:
+    """The target's answers to the held-out prompts, tokenized (reused when done), from the target in the type
+    it is evaluated in (float32 as `flashdraft eval` runs it on a CPU, or a lever's `target_dtype`)."""
+    suffix = "" if dtype == "float32" else f"-{dtype}"
+    flashdraft("generate", "--prompts", "builtin:chat-heldout", "--max-new-tokens", "96", "--dtype", dtype,
+               "--out", str(work / f"heldout-gen{suffix}"))
+    flashdraft("tokenize", "--input", str(work / f"heldout-gen{suffix}"), "--out", str(work / f"heldout-data{suffix}"),
                "--max-length", "512", "--block-size", "8")
-    return work / "heldout-data"
+    return work / f"heldout-data{suffix}"
 
 
-def score(drafter: Path, data: Path) -> dict:
-    """Simulated greedy τ of a drafter at every anchor of a dataset (the eval target: float32 features)."""
+def score(drafter: Path, data: Path, dtype: str = "float32") -> dict:
+    """Simulated greedy τ of a drafter at every anchor of a dataset, on features from the target in `dtype`."""
     import torch
 
     from flashdraft.config import TrainConfig
@@ -89,7 +93,7 @@ def score(drafter: Path, data: Path) -> dict:
 
     torch.manual_seed(0)
     model = load_drafter(drafter)
-    target = Target(resolve_model("embedded", log=lambda s: None), "cpu", lambda s: None)
+    target = Target(resolve_model("embedded", log=lambda s: None), "cpu", lambda s: None, dtype)
     target.watch(model.target_layer_ids)
     dataset = load_dataset_checked(data, model.block_size, target.config.vocab_size, 512)
     cfg = TrainConfig(max_anchors=512, max_length=512, block_size=model.block_size)
@@ -131,7 +135,7 @@ def main() -> None:
         # The demo lever is the demo's own training run (reused when `flashdraft demo --workdir WORK/demo` ran).
         out = Path(base["workdir"]) / "train" if name == "demo" else args.work / f"lever-{name}"
         cache = Path(base["workdir"]) / "train" / "features"
-        if name != "demo" and not {"distill_topk", "target_layer_ids", "max_length"} & overrides.keys():
+        if name != "demo" and not {"distill_topk", "target_layer_ids", "max_length", "target_dtype"} & overrides.keys():
             out.mkdir(parents=True, exist_ok=True)
             if cache.exists() and not (out / "features").exists():
                 (out / "features").symlink_to(cache)  # same dataset, target and layers: the same cache
@@ -139,7 +143,8 @@ def main() -> None:
         lever_config.write_text(yaml.safe_dump({**base, "train": train}))
         flashdraft("train", "--config", str(lever_config), "--data", str(dataset), "--out", str(out))
         seconds = read_manifest(out / "drafter").stats["seconds"]  # the training loop, as the run measured it
-        result = score(out / "drafter", heldout)
+        dtype = overrides.get("target_dtype", "float32")
+        result = score(out / "drafter", heldout if dtype == "float32" else heldout_dataset(args.work, dtype), dtype)
         rows.append({"lever": name, "what": what, "train_s": round(seconds), **result})
         print(json.dumps(rows[-1]), flush=True)
 

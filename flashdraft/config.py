@@ -104,6 +104,9 @@ class TrainConfig(Section):
     # and the loss mixes cross-entropy on them (weight `distill_weight`) with the hard labels'. 0 = hard labels only.
     distill_topk: NonNegative = 0
     distill_weight: Fraction = 0.5
+    # the target's weight type while it computes features (and soft labels): auto = bfloat16 on CUDA, float32 on
+    # a CPU. Train with the type the drafter will be evaluated and served with (eval.target_dtype).
+    target_dtype: Literal["auto", "bfloat16", "float32"] = "auto"
     export_dtype: Literal["bfloat16", "float32"] = "bfloat16"  # the exported drafter's weights
     sliding_window: Positive | None = None  # all draft layers but the last attend this far back (≥ block_size)
     draft_vocab_size: Positive | None = None  # a reduced draft vocabulary (most frequent tokens) for cheap CPU runs
@@ -124,6 +127,9 @@ class EvalConfig(Section):
     temperature: NonNegativeFloat = 0.0
     thinking: bool = False
     prompt_lookup_tokens: Positive = 10  # the prompt-lookup baseline's n-gram draft length
+    # the target's (and so the drafter's) weight type while decoding: auto = bfloat16 on CUDA, float32 on a CPU.
+    # Lossless is checked against target-only decoding in the same type.
+    target_dtype: Literal["auto", "bfloat16", "float32"] = "auto"
     seed: int = 0
 
 

@@ -236,7 +236,9 @@ def commit_dir(
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    if final.exists():
+    if final.is_symlink():  # a link to an artifact kept elsewhere: replace the link, leave what it points at
+        final.unlink()
+    elif final.exists():
         shutil.rmtree(final)
     os.replace(tmp, final)
 

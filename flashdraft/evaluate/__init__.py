@@ -76,7 +76,7 @@ def run(
         log(f"eval: {drafter_dir} has no manifest (a drafter from elsewhere): its files are not verified")
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    target = Target(target_path, device, log)
+    target = Target(target_path, device, log, cfg.target_dtype)
     drafter = load_drafter(drafter_dir, device=device, dtype=target.model.dtype)
     if drafter.config.num_target_layers != target.config.num_hidden_layers:
         raise BadInput(

@@ -96,20 +96,16 @@ class HFBackend:
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         from flashdraft.model.resolve import resolve_model, stop_token_ids
+        from flashdraft.model.target import weight_dtype
 
         self.cfg = cfg
         path = resolve_model(cfg.model, log=log)
         self.model_name = cfg.model if cfg.model != EMBEDDED_TARGET else "SmolLM2-135M-Instruct"
         device = "cuda" if torch.cuda.is_available() else "cpu"
-        dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32}.get(
-            cfg.dtype, torch.bfloat16 if device == "cuda" else torch.float32)
+        dtype = weight_dtype(cfg.dtype, device)
         self.tokenizer = AutoTokenizer.from_pretrained(path, padding_side="left")
         if self.tokenizer.pad_token_id is None:
             self.tokenizer.pad_token = self.tokenizer.eos_token
-        if device == "cpu" and dtype == torch.bfloat16:
-            # transformers warns that a GGUF-packed model (the embedded target) is fastest in float32; on a CPU
-            # with AVX512-BF16 bfloat16 generates ~2x faster (benchmarks/RESULTS.md), which is why it was asked.
-            logging.getLogger("transformers.quantizers.quantizer_gguf").setLevel(logging.ERROR)
         self.model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
         self.eos_ids = stop_token_ids(self.tokenizer, self.model.generation_config.eos_token_id)
         self.device = device

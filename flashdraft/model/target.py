@@ -9,6 +9,7 @@ concatenated over the watched layers (B × T × n·D).
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 
 import torch
@@ -38,16 +39,28 @@ def attention_layers(decoder: torch.nn.Module) -> list[torch.nn.Module]:
     return [layer for layer in decoder.layers if hasattr(layer, "self_attn")]
 
 
+def weight_dtype(setting: str, device: str) -> torch.dtype:
+    """The target's weight type for a `dtype` setting: `auto` is bfloat16 on CUDA (what serving runs) and float32
+    on a CPU; `bfloat16` on a CPU with AVX512-BF16 or AMX runs about twice as fast (benchmarks/RESULTS.md)."""
+    if setting == "auto":
+        return torch.bfloat16 if device.startswith("cuda") else torch.float32
+    if device.startswith("cpu") and setting == "bfloat16":
+        # transformers warns that a GGUF-packed model (the embedded target) is fastest in float32; on a CPU with
+        # AVX512-BF16 bfloat16 is ~2x faster, which is why it was asked for.
+        logging.getLogger("transformers.quantizers.quantizer_gguf").setLevel(logging.ERROR)
+    return {"bfloat16": torch.bfloat16, "float32": torch.float32}[setting]
+
+
 class Target:
     """The frozen target: features from chosen layers via forward hooks, plus its embedding and LM head."""
 
-    def __init__(self, path: str, device: str, log: Callable[[str], None]) -> None:
+    def __init__(self, path: str, device: str, log: Callable[[str], None], dtype: str = "auto") -> None:
         from transformers import AutoModelForCausalLM
 
         self.path = path
         many = "," in device  # "cuda:0,cuda:1": spread the target's layers over those devices
         kwargs = {"device_map": "auto", "max_memory": _memory_map(device)} if many else {}
-        dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
+        dtype = weight_dtype(dtype, device)
         self.model = AutoModelForCausalLM.from_pretrained(self.path, dtype=dtype, **kwargs).eval()
         if not many:
             self.model.to(device)

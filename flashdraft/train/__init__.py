@@ -207,7 +207,7 @@ class Setup:
 def setup(cfg: TrainConfig, data: Path, out: Path, target_path: str, where: Placement, console, say) -> Setup:
     from transformers import get_cosine_schedule_with_warmup
 
-    target = Target(target_path, where.target_device, say)
+    target = Target(target_path, where.target_device, say, cfg.target_dtype)
     imported = import_drafter(cfg.init_from, target.config, say) if cfg.init_from else None
     block_size = imported.block_size if imported is not None else cfg.block_size
     dataset = load_dataset_checked(data, block_size, target.config.vocab_size, cfg.max_length)

@@ -182,7 +182,8 @@ def offline_features(cfg: TrainConfig, data: Path, out: Path, target: Target, ta
     lineage = Lineage(
         inputs=[manifest_digest(data)],
         config=sha256_json({"target": identity(target_path), "layers": target.layer_ids, "max_length": cfg.max_length,
-                            **({"topk": cfg.distill_topk} if cfg.distill_topk else {})}),
+                            **({"topk": cfg.distill_topk} if cfg.distill_topk else {}),
+                            **({"dtype": str(target.model.dtype)} if cfg.target_dtype != "auto" else {})}),
     )
     if place.rank == 0:
         build_or_reuse(out / "features", target, dataset, cfg.max_length, lineage, topk=cfg.distill_topk,

@@ -120,6 +120,8 @@ def batch_step(model, target: Target, rows: list, cfg: TrainConfig, generators: 
         hidden = model(block_embeds, features_BCF, positions.view(len(live), -1).to(device),
                        torch.arange(context_len, device=device)[None].expand(len(live), -1), allowed)
         head = target.head_weight(drafter)
+        if not bf16 and head.dtype != hidden.dtype:  # a bfloat16 target (train.target_dtype) without autocast
+            head = head.to(hidden.dtype)
         logits_BSV = (hidden.to(head.device) @ head.T).to(device)
     for b, (i, ids_T, _, anchors) in enumerate(live):
         labels, weights = targets[b]

@@ -15,6 +15,7 @@ from flashdraft.artifact.manifest import (
     Lineage,
     build_manifest,
     check_done,
+    commit_dir,
     list_data_files,
     read_manifest,
     sha256_file,
@@ -148,6 +149,17 @@ def test_sigkill_mid_write_leaves_no_final_file_and_no_manifest(tmp_path: Path):
     [p] = verify_dir(root)
     assert p.path == MANIFEST
     assert not check_done(root, Lineage()).done
+
+
+def test_a_new_artifact_replaces_a_link_and_leaves_what_it_pointed_at(artifact: Path, tmp_path: Path):
+    """An artifact path linked to an artifact kept elsewhere (a shared feature cache): a rebuild there replaces
+    the link with its own directory, and the linked artifact stays as it was."""
+    linked = tmp_path / "mine"
+    linked.symlink_to(artifact)
+    with commit_dir(linked, "files", stats={"n": 1}) as tmp:
+        (tmp / "new.txt").write_text("rebuilt\n")
+    assert not linked.is_symlink() and verify_dir(linked) == [] and read_manifest(linked).stats == {"n": 1}
+    assert verify_dir(artifact) == [] and read_manifest(artifact).stats == {"n": 3}
 
 
 def test_atomic_open_failure_keeps_old_content(tmp_path: Path):

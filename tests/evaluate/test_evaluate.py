@@ -1,5 +1,6 @@
 """Speculative decoding with a DFlash drafter: lossless, cached == recomputed, distribution-preserving."""
 
+import copy
 import json
 
 import pytest
@@ -81,6 +82,17 @@ def test_overfit_drafter_accepts_many_tokens_and_stays_lossless(target, overfit_
     spec = decoder.generate(PROMPT, 64)
     assert spec.tokens == greedy(target, PROMPT, 64)
     assert spec.acceptance_length > 3.0
+
+
+def test_a_bfloat16_target_decodes_losslessly_against_its_own_greedy_output(tiny_model_dir, target, overfit_drafter):
+    """`eval.target_dtype: bfloat16`: the target and the drafter decode in bfloat16, and the output is what the
+    bfloat16 target alone decodes (its verify passes score several tokens at once, greedy scores one)."""
+    bf16 = Target(tiny_model_dir, "cpu", quiet, "bfloat16")
+    drafter = copy.deepcopy(overfit_drafter).to(torch.bfloat16)
+    spec = SpecDecoder(bf16, drafter, stop_ids=set()).generate(PROMPT, 40)
+    assert bf16.model.dtype == torch.bfloat16
+    assert spec.tokens == greedy(bf16, PROMPT, 40)
+    assert spec.acceptance_length > 2.0  # the drafter trained on the float32 target still fits the bfloat16 one
 
 
 def test_reduced_draft_vocab_trains_exports_and_decodes_losslessly(target, tmp_path):

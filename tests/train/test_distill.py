@@ -45,6 +45,29 @@ def test_the_cache_keeps_the_targets_top_k_and_a_new_k_rebuilds_it(tiny_target, 
     assert read_manifest(tmp_path / "b" / "features").lineage != read_manifest(tmp_path / "a" / "features").lineage
 
 
+def test_a_bfloat16_target_caches_its_own_features_and_is_not_taken_for_float32(tiny_target, tiny_dataset,  # noqa: F811
+                                                                                   tmp_path):
+    run(tiny_cfg(tiny_target, max_steps=2, features="offline", target_dtype="bfloat16"), tiny_dataset,
+        tmp_path / "bf16", log=quiet)
+    run(tiny_cfg(tiny_target, max_steps=2, features="offline"), tiny_dataset, tmp_path / "fp32", log=quiet)
+    layers = read_manifest(tmp_path / "bf16" / "features").stats["layer_ids"]
+    ids = torch.as_tensor(__import__("datasets").load_from_disk(str(tiny_dataset))[2]["input_ids"])
+    features = {}
+    for dtype in ("bfloat16", "float32"):
+        target = Target(tiny_target, "cpu", quiet, dtype)
+        assert target.model.dtype == getattr(torch, dtype)
+        target.watch(layers)
+        features[dtype] = target.features(ids[None])[0].to(torch.bfloat16).float()  # as the cache stores them
+    cached = {"bfloat16": FeatureCache(tmp_path / "bf16" / "features")[2],
+              "float32": FeatureCache(tmp_path / "fp32" / "features")[2]}
+    assert not torch.equal(features["bfloat16"], features["float32"])  # the two types compute different features
+    for dtype, mine in cached.items():
+        other = "float32" if dtype == "bfloat16" else "bfloat16"
+        assert (mine - features[dtype]).abs().max() < (mine - features[other]).abs().max(), dtype
+    lineages = {read_manifest(tmp_path / d / "features").lineage.config for d in ("bf16", "fp32")}
+    assert len(lineages) == 2  # a float32 run does not reuse a bfloat16 cache, nor the other way
+
+
 def test_distillation_needs_the_offline_cache(tiny_target, tiny_dataset, tmp_path):  # noqa: F811
     with pytest.raises(BadTrainingInput, match="offline feature cache"):
         run(tiny_cfg(tiny_target, max_steps=2, distill_topk=4), tiny_dataset, tmp_path / "out", log=quiet)
