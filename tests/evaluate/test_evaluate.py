@@ -84,15 +84,22 @@ def test_overfit_drafter_accepts_many_tokens_and_stays_lossless(target, overfit_
     assert spec.acceptance_length > 3.0
 
 
-def test_a_bfloat16_target_decodes_losslessly_against_its_own_greedy_output(tiny_model_dir, target, overfit_drafter):
-    """`eval.target_dtype: bfloat16`: the target and the drafter decode in bfloat16, and the output is what the
-    bfloat16 target alone decodes (its verify passes score several tokens at once, greedy scores one)."""
+def test_a_bfloat16_target_decodes_with_a_bfloat16_drafter(tmp_path, tiny_model_dir, overfit_drafter):
+    """`eval.target_dtype: bfloat16`: the eval stage runs the target and the drafter in bfloat16 and the drafter
+    still proposes what it learned. Token-for-token equality with one-token greedy decoding is not asserted: in
+    bfloat16 a verify pass over several tokens rounds differently from a one-token pass, so a near-tie can go
+    the other way (measured on the demo: 4 of 8 prompts drift), which is why the demo evaluates in float32."""
+    save_drafter(overfit_drafter, tmp_path / "drafter")
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"prompt": "Tell me about cats."}) + "\n")
+    cfg = EvalConfig(prompts=str(prompts), target=tiny_model_dir, max_new_tokens=16, target_dtype="bfloat16")
+    stats = run(cfg, tmp_path / "drafter", tmp_path / "eval", log=quiet)
+    assert stats["prompts"] == 1 and stats["acceptance_length"] >= 1.0
     bf16 = Target(tiny_model_dir, "cpu", quiet, "bfloat16")
     drafter = copy.deepcopy(overfit_drafter).to(torch.bfloat16)
     spec = SpecDecoder(bf16, drafter, stop_ids=set()).generate(PROMPT, 40)
-    assert bf16.model.dtype == torch.bfloat16
-    assert spec.tokens == greedy(bf16, PROMPT, 40)
-    assert spec.acceptance_length > 2.0  # the drafter trained on the float32 target still fits the bfloat16 one
+    assert bf16.model.dtype == torch.bfloat16 and len(spec.tokens) == 40
+    assert spec.acceptance_length > 2.0  # the drafter trained on the float32 target's continuation still fits
 
 
 def test_reduced_draft_vocab_trains_exports_and_decodes_losslessly(target, tmp_path):
