@@ -53,11 +53,16 @@ def test_estimate_of_a_local_config_matches_the_real_drafter(cli, tmp_path, tiny
 
 
 def test_estimate_counts_max_steps_when_set(cli):
-    """The demo sets max_steps (1,800, ~5.7 epochs): the estimate says the steps training will run."""
+    """The demo sets max_steps (2,600 over 1,267 samples in batches of 4: ≈ 8.2 epochs): the estimate says the
+    steps training will run, not the epochs'."""
+    from flashdraft.demo import DEMO_SETTINGS
+
     demo = str(EXAMPLES / "demo.yaml")
     text = cli("estimate", demo, check=True).stdout
-    assert _last_json(cli("estimate", demo, "--json", check=True))["train_steps_one_process"] == 1800
-    assert "train: 1,800 optimizer steps on one process (max_steps, ≈ 5.7 epochs, batch 4)" in text
+    steps = DEMO_SETTINGS["train.max_steps"]
+    epochs = steps / -(-DEMO_SETTINGS["generate.max_prompts"] // DEMO_SETTINGS["train.batch_size"])
+    assert _last_json(cli("estimate", demo, "--json", check=True))["train_steps_one_process"] == steps
+    assert f"train: {steps:,} optimizer steps on one process (max_steps, ≈ {epochs:.1f} epochs, batch 4)" in text
 
 
 def test_estimate_of_the_8b_example_states_rate_and_sizes(cli, tmp_path):
