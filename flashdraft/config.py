@@ -105,7 +105,8 @@ class TrainConfig(Section):
     distill_topk: NonNegative = 0
     distill_weight: Fraction = 0.5
     # the target's weight type while it computes features (and soft labels): auto = bfloat16 on CUDA, float32 on
-    # a CPU. Train with the type the drafter will be evaluated and served with (eval.target_dtype).
+    # a CPU. On a CPU with AVX512-BF16 a bfloat16 cache is 2.7x faster, and the drafter it trains scores the same
+    # on float32 features (measured on the demo, which uses it).
     target_dtype: Literal["auto", "bfloat16", "float32"] = "auto"
     export_dtype: Literal["bfloat16", "float32"] = "bfloat16"  # the exported drafter's weights
     sliding_window: Positive | None = None  # all draft layers but the last attend this far back (≥ block_size)
