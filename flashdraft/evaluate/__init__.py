@@ -113,17 +113,20 @@ def run(
         })
 
     report = summarize(per_prompt, drafter.block_size, cfg)
+    # Greedy output is compared token for token in this type; in bfloat16 near-ties can round either way.
+    report["target_dtype"] = str(target.model.dtype).removeprefix("torch.")
     out.mkdir(parents=True, exist_ok=True)
     atomic_write_text(out / "report.json", json.dumps({**report, "prompts": per_prompt}, indent=1))
     plot(report, out)
     stats = {key: report[key] for key in ("acceptance_length", "lossless", "speedup", "speedup_per_prompt",
-                                          "lookup_acceptance_length", "lookup_speedup", "prompts", "tokens_per_s")}
+                                          "lookup_acceptance_length", "lookup_speedup", "prompts", "tokens_per_s",
+                                          "target_dtype")}
     commit(out, "eval", stats=stats, lineage=lineage)
     per = report["speedup_per_prompt"]
     log(
         f"eval: done, verified — {out}: τ {report['acceptance_length']:.2f}, speedup {report['speedup']:.2f}× vs "
         f"target-only (per prompt: median {per['median']:.2f}×, 10–90 % {per['p10']:.2f}–{per['p90']:.2f}×), "
-        f"lossless {report['lossless']}; prompt lookup "
+        f"lossless {report['lossless']} ({report['target_dtype']} target); prompt lookup "
         + (f"τ {report['lookup_acceptance_length']:.2f}, {report['lookup_speedup']:.2f}×"
            if report["lookup_speedup"] is not None else "not measured")
     )
