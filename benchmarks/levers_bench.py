@@ -56,8 +56,6 @@ LEVERS = {
                  {"target_layer_ids": [1, 8, 14, 21, 25]}),
     "watch-29": ("watched layers 1, 8, 14, 21, 29: the deepest is the target's last layer",
                  {"target_layer_ids": [1, 8, 14, 21, 29]}),
-    "steps-x4": ("four times the optimizer steps (7,200): how far steps alone go, past the budget",
-                 {"max_steps": 7200}),
     "bf16-target": ("the target in bfloat16 for the feature cache and the scoring (eval.target_dtype too)",
                     {"target_dtype": "bfloat16"}),
     "big": ("4 layers, 32 anchors, twice the steps: what τ costs past the budget",
