@@ -52,7 +52,8 @@ def weight_dtype(setting: str, device: str) -> torch.dtype:
 
 
 class Target:
-    """The frozen target: features from chosen layers via forward hooks, plus its embedding and LM head."""
+    """The frozen target: features from chosen layers via forward hooks, plus its embedding and LM head. `dtype`
+    is a weight-type setting (`auto`, `bfloat16`, `float32`; see `weight_dtype`)."""
 
     def __init__(self, path: str, device: str, log: Callable[[str], None], dtype: str = "auto") -> None:
         from transformers import AutoModelForCausalLM
@@ -60,8 +61,7 @@ class Target:
         self.path = path
         many = "," in device  # "cuda:0,cuda:1": spread the target's layers over those devices
         kwargs = {"device_map": "auto", "max_memory": _memory_map(device)} if many else {}
-        dtype = weight_dtype(dtype, device)
-        self.model = AutoModelForCausalLM.from_pretrained(self.path, dtype=dtype, **kwargs).eval()
+        self.model = AutoModelForCausalLM.from_pretrained(self.path, dtype=weight_dtype(dtype, device), **kwargs).eval()
         if not many:
             self.model.to(device)
         self._adopt(self.model)
