@@ -44,6 +44,7 @@ LEVERS = {
     "lr-1e-3": ("learning rate 1e-3", {"lr": 1e-3}),
     "lr-6e-3": ("learning rate 6e-3", {"lr": 6e-3}),
     "distill-0.9": ("distillation weight 0.9", {"distill_weight": 0.9}),
+    "distill-1.0": ("soft labels only: distillation weight 1", {"distill_weight": 1.0}),
     "layers-1": ("1 draft layer", {"num_layers": 1}),
     "layers-4": ("4 draft layers", {"num_layers": 4}),
     "wd-0.1": ("AdamW weight decay 0.1", {"weight_decay": 0.1}),

@@ -55,7 +55,8 @@ def test_run_pipeline_end_to_end_then_everything_is_done(cli, tmp_path, tiny_mod
                        ("eval", "eval")]:
         assert verify_dir(work / path) == [], path
         assert read_manifest(work / path).kind == kind
-    assert read_manifest(work / "eval").stats["lossless"] is True
+    evaluated = read_manifest(work / "eval").stats
+    assert evaluated["lossless"] is True and evaluated["near_ties"] == 0  # float32: token for token
     assert "eval: done, verified" in first.stdout
 
     again = cli("run", config, check=True)

@@ -41,6 +41,8 @@ def summarize(per_prompt: list[dict], block_size: int, cfg: EvalConfig) -> dict[
             "lookup_acceptance_length": pld_tokens / max(1, pld_forwards) if lookup else None,
             "lookup_speedup": base_s / max(pld_s, 1e-9) if lookup else None,
             "lossless": all(lossless) if lossless else None,
+            # prompts counted lossless because they first differ from target-only output at a near-tie
+            "near_ties": sum(1 for r in rows if r.get("divergence") and r["divergence"]["near_tie"]),
         }
 
     report = block(per_prompt)
