@@ -3,8 +3,9 @@
     .venv/bin/flashdraft demo                       # trains the demo drafter into flashdraft-work/
     .venv/bin/python benchmarks/eval_bench.py [--drafter flashdraft-work/train/drafter] [--prompts 50]
 
-Runs `flashdraft eval` on the first N held-out prompts (`builtin:demo-heldout`, never trained on), greedy,
-64 new tokens: speculative decoding, target-only decoding and prompt lookup, timed interleaved per prompt.
+Runs `flashdraft eval` on the first N held-out prompts (`builtin:chat-heldout`, eval's default: hand-written,
+never trained on), greedy, 64 new tokens: speculative decoding, target-only decoding and prompt lookup, timed
+interleaved per prompt.
 """
 
 from __future__ import annotations

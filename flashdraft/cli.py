@@ -243,7 +243,7 @@ def train(
 def evaluate(
     drafter: Annotated[Path | None, typer.Option(help="An exported drafter directory.")] = None,
     prompts: Annotated[
-        str | None, typer.Option(help="Held-out prompts (JSONL, Parquet, or builtin:demo-heldout).")
+        str | None, typer.Option(help="Held-out prompts: JSONL, Parquet, or a built-in set (builtin:chat-heldout).")
     ] = None,
     out: Annotated[Path | None, typer.Option(help="Output directory (report.json + plots).")] = None,
     target: Annotated[str | None, typer.Option(help="Target REF.")] = None,

@@ -1,6 +1,6 @@
 """eval: lossless DFlash speculative decoding, and the acceptance-length report users judge a drafter by.
 
-    flashdraft eval --drafter work/train/drafter --prompts builtin:demo-heldout --out work/eval
+    flashdraft eval --drafter work/train/drafter --prompts builtin:chat-heldout --out work/eval
 
 One decoding step (`SpecDecoder.generate`): the drafter proposes K−1 tokens in one pass from
 [anchor, MASK…] over its cached context; the target verifies [anchor, drafts] in one pass; the longest

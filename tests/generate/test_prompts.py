@@ -137,3 +137,13 @@ def test_what_the_demo_trains_on_shares_no_template_with_what_it_is_judged_on():
     more = load_prompts("builtin:chat-more").prompts
     assert len(more) == 1153 and {p.category for p in more[:4]} == {"math", "code", "explain", "writing"}
     assert not {p.id for p in more} & {p.id for p in load_prompts("builtin:chat").prompts}
+
+
+def test_eval_measures_by_default_on_prompts_no_shipped_training_set_shares_a_template_with():
+    """`flashdraft eval` without --prompts: τ on hand-written prompts, not on the demo set's own templates."""
+    from flashdraft.config import EvalConfig, GenerateConfig
+
+    judged = load_prompts(EvalConfig().prompts).prompts
+    for trained in (GenerateConfig().prompts, "builtin:chat+chat-more+demo"):
+        assert templated_like(load_prompts(trained).prompts, judged) == [], trained
+    assert templated_like(load_prompts("builtin:demo").prompts, load_prompts("builtin:demo-heldout").prompts)
