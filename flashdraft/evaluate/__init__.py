@@ -127,17 +127,19 @@ def run(
     log(
         f"eval: done, verified — {out}: τ {report['acceptance_length']:.2f}, speedup {report['speedup']:.2f}× vs "
         f"target-only (per prompt: median {per['median']:.2f}×, 10–90 % {per['p10']:.2f}–{per['p90']:.2f}×), "
-        f"lossless {report['lossless']} ({report['target_dtype']} target{near_ties(report)}); prompt lookup "
+        f"lossless {report['lossless']} ({report['target_dtype']} target{lossless_detail(report, per_prompt)}); "
+        "prompt lookup "
         + (f"τ {report['lookup_acceptance_length']:.2f}, {report['lookup_speedup']:.2f}×"
            if report["lookup_speedup"] is not None else "not measured")
     )
     return stats
 
 
-def near_ties(report: dict[str, Any]) -> str:
+def lossless_detail(report: dict[str, Any], per_prompt: list[dict]) -> str:
     """What the lossless verdict rests on, when it is not token for token on every prompt."""
-    ties = report["near_ties"]
-    if not ties:
-        return ""
-    return (f", {ties} of {report['prompts']} prompts diverge at a near-tie within "
-            f"{report['config']['near_tie_ulps']} units in the last place")
+    ties, failed = report["near_ties"], sum(1 for row in per_prompt if row["lossless"] is False)
+    detail = (f", {ties} of {report['prompts']} prompts diverge at a near-tie within "
+              f"{report['config']['near_tie_ulps']} units in the last place" if ties else "")
+    if failed:
+        detail += f", {failed} of {report['prompts']} differ beyond one: see `divergence` in report.json"
+    return detail

@@ -103,6 +103,8 @@ def test_bfloat16_eval_of_smollm2_is_lossless_and_a_decoding_bug_is_not(tmp_path
     if broken:
         assert stats["lossless"] is False and any(not d["near_tie"] for d in diverged)
         assert min(max(d["ulps_behind_top"]) for d in diverged if not d["near_tie"]) > cfg.near_tie_ulps
+        failed = sum(not d["near_tie"] for d in diverged)
+        assert f"{failed} of 6 differ beyond one: see `divergence` in report.json" in lines[-1]
     else:
         assert stats["lossless"] is True and all(d["near_tie"] for d in diverged)
         assert stats["near_ties"] == len(diverged)
