@@ -5,16 +5,19 @@ looks like next to it.
     .venv/bin/python benchmarks/near_ties_bench.py --drafter flashdraft-work/train/drafter --dtype bfloat16
     .venv/bin/python benchmarks/near_ties_bench.py --drafter flashdraft-work/train/drafter --dtype bfloat16 --fault
 
-Each prompt is decoded by `SpecDecoder` and by target-only greedy decoding (what `flashdraft eval` does) and
-`divergence` measures their first difference. `--fault` leaves the verify pass's rejected drafts in the target's
-cache (no crop, a real decoding bug) to show what the check must still catch. On a GPU, run it once with the
-engine's dtype before trusting the default tolerance (2 units): kernels there may round further apart.
+It runs `flashdraft eval` (in this process, so that `--fault` can break its decoder) with every difference
+recorded (`near_tie_ulps: 0`) and counts, per prompt, how far the farther of the two tokens at the first
+difference is behind the top logit. `--fault` leaves the verify pass's rejected drafts in the target's cache (no
+crop, a real decoding bug) to show what the check must still catch. On a GPU, run it once with the engine's
+dtype before trusting the default tolerance (2 units): kernels there may round further apart.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
+import tempfile
 from collections import Counter
 from datetime import UTC, datetime
 from pathlib import Path
@@ -36,34 +39,23 @@ def main() -> None:
     args = ap.parse_args()
     sys.path.insert(0, str(ROOT))
     import torch
-    from transformers import AutoTokenizer
 
-    from flashdraft.evaluate.decode import SpecDecoder, TargetCache, divergence, target_only
-    from flashdraft.generate.prompts import load_prompts
-    from flashdraft.model.export import load_drafter
-    from flashdraft.model.resolve import resolve_model, stop_token_ids
-    from flashdraft.model.target import Target
+    from flashdraft.config import EvalConfig
+    from flashdraft.evaluate import run
+    from flashdraft.evaluate.decode import TargetCache
 
     if args.fault:
         TargetCache.keep = lambda self, block, accepted, snapshot, advance: None
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    path = resolve_model("embedded", log=lambda s: None)
-    target = Target(path, device, lambda s: None, args.dtype)
-    drafter = load_drafter(args.drafter, device=device, dtype=target.model.dtype)
-    tokenizer = AutoTokenizer.from_pretrained(path)
-    decoder = SpecDecoder(target, drafter, stop_token_ids(tokenizer, target.model.generation_config.eos_token_id))
-    apart = []  # per diverged prompt: the farther of the two tokens behind the top logit, in units
-    prompts = load_prompts(args.prompts).prompts[: args.max_prompts]
-    for prompt in prompts:
-        ids = list(tokenizer.apply_chat_template(prompt.messages, add_generation_prompt=True, tokenize=True,
-                                                 return_dict=True)["input_ids"])
-        spec = decoder.generate(ids, args.max_new_tokens)
-        base, _, _ = target_only(target, ids, args.max_new_tokens)
-        found = divergence(target, ids, base, spec.tokens, tie_ulps=0)
-        if found is not None:
-            apart.append(max(found.get("ulps_behind_top", [float("inf")])))
+    cfg = EvalConfig(prompts=args.prompts, max_prompts=args.max_prompts, max_new_tokens=args.max_new_tokens,
+                     target_dtype=args.dtype, near_tie_ulps=0)
+    with tempfile.TemporaryDirectory() as out:
+        run(cfg, args.drafter, Path(out) / "eval", log=lambda s: None)
+        prompts = json.loads((Path(out) / "eval" / "report.json").read_text())["prompts"]
+    # per diverged prompt: the farther of the two tokens behind the top logit, in units in the last place
+    apart = [max(p["divergence"].get("ulps_behind_top", [float("inf")])) for p in prompts if p["divergence"]]
     histogram = Counter("0–1" if u <= 1 else "2" if u <= 2 else "3–5" if u <= 5 else "≥ 6" for u in apart)
     decoder_kind = "rejected drafts left in the cache (fault)" if args.fault else "flashdraft's"
+    device = "cuda" if torch.cuda.is_available() else "cpu"
     lines = [
         f"### near ties — {datetime.now(UTC):%Y-%m-%d} — {args.dtype} target, {device}, {decoder_kind} decoder",
         "",
