@@ -124,11 +124,13 @@ def run(
                                           "target_dtype", "near_ties")}
     commit(out, "eval", stats=stats, lineage=lineage)
     per = report["speedup_per_prompt"]
+    checked = (f"lossless {report['lossless']} ({report['target_dtype']} target{lossless_detail(report, per_prompt)})"
+               if report["lossless"] is not None else
+               f"lossless not checked (sampled at temperature {cfg.temperature}: drafts pass by rejection sampling)")
     log(
         f"eval: done, verified — {out}: τ {report['acceptance_length']:.2f}, speedup {report['speedup']:.2f}× vs "
         f"target-only (per prompt: median {per['median']:.2f}×, 10–90 % {per['p10']:.2f}–{per['p90']:.2f}×), "
-        f"lossless {report['lossless']} ({report['target_dtype']} target{lossless_detail(report, per_prompt)}); "
-        "prompt lookup "
+        f"{checked}; prompt lookup "
         + (f"τ {report['lookup_acceptance_length']:.2f}, {report['lookup_speedup']:.2f}×"
            if report["lookup_speedup"] is not None else "not measured")
     )

@@ -245,6 +245,10 @@ def test_eval_stage_writes_a_verified_report(tmp_path, tiny_model_dir, target, o
     lines = []
     run(cfg, tmp_path / "drafter", tmp_path / "eval", log=lines.append)
     assert "already done, verified" in lines[0]
+    sampled = run(cfg.model_copy(update={"temperature": 0.7}), tmp_path / "drafter", tmp_path / "sampled",
+                  log=lines.append)
+    assert sampled["lossless"] is None and sampled["near_ties"] == 0
+    assert "lossless not checked (sampled at temperature 0.7" in lines[-1]
 
 
 def test_eval_of_a_z_lab_format_drafter_flashdraft_did_not_make(tmp_path, tiny_model_dir, overfit_drafter):
