@@ -135,8 +135,8 @@ class EvalConfig(Section):
     # Greedy output is checked against target-only decoding in the same type. In bfloat16 a multi-token verify pass
     # rounds differently from a one-token pass, so at a near-tie the two can pick different tokens: a prompt still
     # counts as lossless when, at its first difference, both tokens' logits are within this many units in the last
-    # place of the target's top logit (0: token for token only). Measured on the demo in bfloat16: 21 of 40 prompts
-    # differ, each 0–1 apart; a decoding bug makes all 40 differ, 35 by ≥ 6 (see evaluate/decode.py `divergence`).
+    # place of the target's top logit (0: token for token only). Why 2: evaluate/decode.py `divergence` and
+    # benchmarks/RESULTS.md ("near ties") give what rounding and a decoding bug measured.
     near_tie_ulps: NonNegative = 2
     seed: int = 0
 

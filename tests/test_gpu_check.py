@@ -19,3 +19,4 @@ def test_gpu_check_runs_end_to_end_in_its_tiny_cpu_form():
     assert all(r["tokens_per_s"] > 0 and 0 < r["mfu"] < 1 for r in result["train"])
     assert result["eval"]["lossless"] is True and result["eval"]["tau"] >= 1.0
     assert result["eval"]["divergence"] is None  # float32 on a CPU: token for token
+    assert "lossless True (token for token)" in proc.stdout
