@@ -20,19 +20,32 @@ from typing import Annotated, Any, NoReturn
 
 import typer
 from rich.console import Console
-from rich.markup import escape
+from rich.text import Text
 
 from flashdraft import __version__
 from flashdraft.config import load_config
 from flashdraft.errors import ExpectedFailure
 from flashdraft.layout import DRAFTER, generate_dir, stage_dir, train_dir
+from flashdraft.redact import redact
 
-console = Console(highlight=False, soft_wrap=True)
-err_console = Console(stderr=True, highlight=False, soft_wrap=True)
+
+class PlainConsole(Console):
+    """flashdraft's output: plain text (no console markup, so a reason holding `[/…]`, such as a bucket name, is
+    printed as it is) with URL credentials redacted from every line, on a terminal and in a log file alike."""
+
+    def __init__(self, **kwargs) -> None:
+        super().__init__(highlight=False, soft_wrap=True, markup=False, **kwargs)
+
+    def print(self, *objects, **kwargs) -> None:
+        super().print(*(redact(o) if isinstance(o, str) else o for o in objects), **kwargs)
+
+
+console = PlainConsole()
+err_console = PlainConsole(stderr=True)
 
 
 def fail(message: str, code: int = 1) -> NoReturn:
-    err_console.print(f"[red]error:[/red] {escape(message)}", soft_wrap=True)
+    err_console.print(Text.assemble(("error:", "red"), " ", redact(message)))
     raise typer.Exit(code)
 
 
@@ -80,7 +93,7 @@ def human(json_out: bool) -> Console:
 
 
 def emit_json(obj: dict[str, Any]) -> None:
-    print(json.dumps(obj, sort_keys=True))
+    print(redact(json.dumps(obj, sort_keys=True)))
 
 
 def _version(value: bool) -> None:
@@ -343,7 +356,7 @@ def _open_store(location: str, profile: str | None, endpoint_url: str | None, jo
 
 def _report_problems(where: str, problems: list, json_out: bool) -> None:
     for p in problems:
-        err_console.print(f"[red]✗[/red] {escape(str(p))}", soft_wrap=True)
+        err_console.print(Text.assemble(("✗", "red"), " ", redact(str(p))))
     verdict = f"NOT verified, {len(problems)} problem(s)" if problems else "verified"
     human(json_out).print(f"verify: {where} — {verdict}", soft_wrap=True)
     if json_out:
@@ -390,6 +403,8 @@ def sync(
     delete: Annotated[bool, typer.Option(help="Remove destination files the manifest does not list.")] = False,
     jobs: Annotated[int, typer.Option(help="Parallel transfers.")] = 8,
     part_size_mb: Annotated[int, typer.Option(help="Multipart part size; larger files go multipart.")] = 64,
+    force: Annotated[bool, typer.Option(
+        help="push: replace an artifact of another kind or lineage at DST (refused without it).")] = False,
     profile: ProfileFlag = None,
     endpoint_url: EndpointFlag = None,
     verbose: Annotated[bool, typer.Option(help="Debug logging (credentials are redacted).")] = False,
@@ -415,6 +430,7 @@ def sync(
                 delete=delete,
                 jobs=jobs,
                 part_size=part_size_mb << 20,
+                force=force,
                 console=err_console,
                 log=human(json_out).print,
             )
@@ -514,6 +530,6 @@ def estimate(
     cfg = load_config(config_file, {})
     est = compute(cfg, num_prompts=num_prompts, target_config=target_config, tokens_per_s=tokens_per_s)
     for line in describe(est, cfg):
-        human(json_out).print(escape(line))
+        human(json_out).print(line)
     if json_out:
         emit_json(est)

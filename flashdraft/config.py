@@ -99,6 +99,9 @@ class TrainConfig(Section):
     checkpoint_every: Positive = 200  # optimizer steps; also at every epoch end
     keep_checkpoints: Positive = 3  # newest complete checkpoints kept locally; older ones are deleted
     push_to: str | None = None  # local dir or s3:// URL each checkpoint and the drafter are pushed to, verified
+    # tries per checkpoint push (each failure logged, then retried after 5, 10, 20 … s); when a checkpoint still
+    # cannot be pushed, training stops with the reason instead of finding out when it ends
+    push_attempts: Positive = 4
     features: Literal["online", "offline"] = "online"  # offline: target features cached once, reused each epoch
     # Distillation: the offline cache also keeps the target's top-k next-token log-probabilities at every position,
     # and the loss mixes cross-entropy on them (weight `distill_weight`) with the hard labels'. 0 = hard labels only.

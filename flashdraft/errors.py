@@ -13,3 +13,7 @@ class ExpectedFailure(Exception):
 
 class BadInput(ExpectedFailure):
     """An input (file, directory, artifact, model reference, setting) that this stage cannot use."""
+
+
+class WriteRefused(ExpectedFailure):
+    """The disk refused a write (full, read-only, quota): nothing half-written is left for a later step."""

@@ -118,5 +118,5 @@ def fetch_verified(local, remote: str, log: Callable[[str], None]) -> bool:
     store = open_store(remote)
     if verify_store(store):
         return False
-    log(pull(store, local, delete=True).line())
+    log(pull(store, local).line())  # replaces only its own kind's files
     return True

@@ -16,7 +16,6 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from types import SimpleNamespace
 
-from rich.markup import escape
 from rich.progress import (
     BarColumn,
     MofNCompleteColumn,
@@ -26,6 +25,7 @@ from rich.progress import (
     TimeElapsedColumn,
     TimeRemainingColumn,
 )
+from rich.text import Text
 
 
 @contextmanager
@@ -70,7 +70,7 @@ class PlainLines:
             line += f" {self.done:,}/{self.total:,} ({self.done / self.total:.0%}), {rate:,.2f}/s, ETA {_duration(eta)}"
         else:
             line += f" ({rate:,.2f}/s, {_duration(now - self.t0)} elapsed)"
-        self.console.print(escape(line), soft_wrap=True, highlight=False)
+        self.console.print(Text(line), soft_wrap=True, highlight=False)  # Text: never read as console markup
 
 
 def _duration(seconds: float) -> str:

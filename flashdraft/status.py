@@ -52,7 +52,14 @@ def pipeline_status(cfg: PipelineConfig, store: str | None = None) -> list[dict[
             rows.append(
                 {**row, "where": "store", "artifact": remote, "verified": not remote_problems, "reason": reason}
             )
-    return rows
+    return [redacted(row) for row in rows]
+
+
+def redacted(row: dict[str, Any]) -> dict[str, Any]:
+    """A row as it may be shown or written: no credentials in its URLs or reasons."""
+    from flashdraft.redact import redact
+
+    return {**row, "artifact": redact(row["artifact"]), "reason": redact(row["reason"])}
 
 
 def status_table(rows: list[dict[str, Any]]) -> Table:

@@ -50,7 +50,7 @@ FROZEN_FLAGS = {
     "export": ["--config", "--drafter", "--format", "--json", "--out", "--target"],
     "manifest": ["--json", "--kind"],
     "verify": ["--deep", "--endpoint-url", "--json", "--profile"],
-    "sync": ["--delete", "--endpoint-url", "--jobs", "--json", "--part-size-mb", "--profile", "--verbose"],
+    "sync": ["--delete", "--endpoint-url", "--force", "--jobs", "--json", "--part-size-mb", "--profile", "--verbose"],
     "status": ["--config", "--json", "--store"],
     "run": ["--dry-run", "--from", "--store", "--until"],
     "demo": ["--workdir"],

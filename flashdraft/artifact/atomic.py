@@ -8,7 +8,9 @@ one under a name a later step would trust.
 from __future__ import annotations
 
 import os
+import re
 import secrets
+import socket
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -27,9 +29,25 @@ def _fsync_dir(directory: Path) -> None:
         os.close(fd)
 
 
+def writer_tag() -> str:
+    """host.pid.random: unique across processes and hosts sharing a disk, and says who wrote a leftover."""
+    host = re.sub(r"[^A-Za-z0-9_-]", "_", socket.gethostname().split(".")[0]) or "host"
+    return f"{host}.{os.getpid()}.{secrets.token_hex(4)}"
+
+
 def temp_path_for(path: Path) -> Path:
-    """A unique sibling name for `path` that verify and listings ignore."""
-    return path.with_name(f"{INTERNAL_PREFIX}tmp-{os.getpid()}-{secrets.token_hex(4)}-{path.name}")
+    """A unique sibling name for `path` that verify and listings ignore: `.flashdraft-tmp-NAME.host.pid.random`."""
+    return path.with_name(f"{INTERNAL_PREFIX}tmp-{path.name}.{writer_tag()}")
+
+
+def leftover_temps(path: Path) -> list[Path]:
+    """Temp siblings `temp_path_for(path)` made that a killed writer left behind (exactly this name's)."""
+    prefix = f"{INTERNAL_PREFIX}tmp-{path.name}."
+    tag = re.compile(r"[A-Za-z0-9_-]+\.\d+\.[0-9a-f]{8}")
+    if not path.parent.is_dir():
+        return []
+    return [path.parent / name for name in os.listdir(path.parent)
+            if name.startswith(prefix) and tag.fullmatch(name[len(prefix):])]
 
 
 @contextmanager
@@ -80,3 +98,17 @@ def honour_umask(directory: Path) -> None:
     for path in Path(directory).rglob("*"):
         if path.is_file() and not path.is_symlink():
             os.chmod(path, 0o666 & ~UMASK)
+
+
+def write_safetensors(tensors: dict, path: str | Path, metadata: dict[str, str] | None = None) -> None:
+    """`safetensors.torch.save_file`, with a write the disk refuses (full, read-only) reported as the one-line
+    expected failure it is, not a SafetensorError traceback. Callers write into a temp directory (commit_dir)."""
+    from safetensors import SafetensorError
+    from safetensors.torch import save_file
+
+    from flashdraft.errors import WriteRefused
+
+    try:
+        save_file(tensors, str(path), metadata=metadata)
+    except SafetensorError as e:
+        raise WriteRefused(f"cannot write {path}: {e}") from None

@@ -26,7 +26,7 @@ from awscrt.checksums import crc64nvme
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from flashdraft import __version__
-from flashdraft.artifact.atomic import INTERNAL_PREFIX, atomic_write_text, honour_umask
+from flashdraft.artifact.atomic import INTERNAL_PREFIX, atomic_write_text, honour_umask, leftover_temps, temp_path_for
 from flashdraft.errors import BadInput, ExpectedFailure
 
 MANIFEST = "manifest.json"
@@ -149,11 +149,14 @@ def unsafe_path_reason(relpath: str) -> str | None:
 
 
 def list_data_files(root: Path) -> list[str]:
-    """Every data file under `root` as sorted POSIX relative paths (manifest and internal files excluded)."""
+    """Every data file under `root` as sorted POSIX relative paths (manifest and internal files excluded). A link
+    to a directory is listed as an entry of its own (never followed), so describing or verifying refuses it
+    rather than leaving its files out without a word."""
     found = []
     for dirpath, dirnames, filenames in os.walk(root):
         dirnames[:] = sorted(d for d in dirnames if not d.startswith(INTERNAL_PREFIX))
-        for name in filenames:
+        linked = [d for d in dirnames if os.path.islink(os.path.join(dirpath, d))]
+        for name in [*filenames, *linked]:
             rel = Path(dirpath, name).relative_to(root).as_posix()
             if rel != MANIFEST and not is_internal(rel):
                 found.append(rel)
@@ -166,6 +169,8 @@ def refuse_unportable(root: Path, rel: str) -> None:
     if "\\" in rel:
         raise BadInput(f"{root / rel}: a file name with a backslash cannot be stored portably; rename it")
     path = root / rel
+    if path.is_symlink() and path.is_dir():
+        raise BadInput(f"{path} links to a directory ({path.resolve()}); an artifact holds files: copy them in")
     if path.is_symlink() and not path.resolve().is_relative_to(root.resolve()):
         raise BadInput(f"{path} links outside the artifact (to {path.resolve()}); copy the file in instead")
 
@@ -224,23 +229,32 @@ def commit_dir(
 ) -> Iterator[Path]:
     """Build a whole artifact in a temp sibling directory; when the block succeeds, describe it in a manifest
     and rename it over `final` in one step. A crash leaves the old artifact or nothing, never a mix. `stats`
-    is read after the block, so the block may fill it in."""
+    is read after the block, so the block may fill it in.
+
+    `final` must be ours (`ownership.claim_output`: missing, empty, or a `kind` artifact holding nothing its
+    manifest does not list) and is locked meanwhile; the old artifact is removed file by file as its manifest
+    names them, never by deleting whatever the directory holds."""
+    from flashdraft.artifact.ownership import claim_output, output_lock, remove_artifact
+
     final = Path(final)
-    tmp = final.with_name(f"{INTERNAL_PREFIX}tmp-{os.getpid()}-{final.name}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    try:
-        yield tmp
-        honour_umask(tmp)
-        commit(tmp, kind, stats=stats, lineage=lineage)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    if final.is_symlink():  # a link to an artifact kept elsewhere: replace the link, leave what it points at
-        final.unlink()
-    elif final.exists():
-        shutil.rmtree(final)
-    os.replace(tmp, final)
+    with output_lock(final):
+        claim_output(final, kind)
+        for stale in leftover_temps(final):  # under the lock: a killed writer's, never a live one's
+            shutil.rmtree(stale, ignore_errors=True)
+        tmp = temp_path_for(final)
+        tmp.mkdir(parents=True)
+        try:
+            yield tmp
+            honour_umask(tmp)
+            commit(tmp, kind, stats=stats, lineage=lineage)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        if final.is_symlink():  # a link to an artifact kept elsewhere: replace the link, leave what it points at
+            final.unlink()
+        elif final.exists():
+            remove_artifact(final)
+        os.replace(tmp, final)
 
 
 def parse_manifest(raw: bytes) -> Manifest:
@@ -330,7 +344,9 @@ def verify_dir(root: str | Path, deep: bool = True, jobs: int | None = None) -> 
 
     listed = {e.path for e in manifest.files}
     for rel in list_data_files(root):
-        if rel not in listed:
+        if (root / rel).is_dir():
+            problems.append(Problem(rel, "a link to a directory: an artifact holds files, never links to folders"))
+        elif rel not in listed:
             problems.append(Problem(rel, "unlisted file: not in the manifest"))
     return problems
 

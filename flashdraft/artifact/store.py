@@ -72,6 +72,11 @@ def is_url(location: str) -> bool:
 
 
 def open_store(location: str, *, profile: str | None = None, endpoint_url: str | None = None, jobs: int = 8):
+    from flashdraft.redact import USERINFO, redact
+
+    if USERINFO.search(location):
+        raise StoreError(f"{redact(location)}: a store URL carries no credentials (user:password@); they come from "
+                         "the standard AWS chain (--profile, AWS_ACCESS_KEY_ID/…, ~/.aws)")
     if is_url(location):
         from botocore.exceptions import BotoCoreError
 
@@ -125,7 +130,23 @@ class LocalStore:
             return None
 
     def put_manifest(self, data: bytes) -> None:
-        self.put_bytes(MANIFEST, data)
+        """Create-if-absent, as S3's conditional put: a hard link of a complete temp file appears atomically and
+        fails when a manifest is already there, so of two writers the later one fails."""
+        path = self.root / MANIFEST
+        tmp = temp_path_for(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            with open(tmp, "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+            try:
+                os.link(tmp, path)
+            except FileExistsError:
+                if path.read_bytes() != data:
+                    raise StoreError(f"{self.url}: another writer committed a different manifest meanwhile") from None
+        finally:
+            tmp.unlink(missing_ok=True)
 
     def put_bytes(self, rel: str, data: bytes) -> None:
         from flashdraft.artifact.atomic import atomic_write_bytes
@@ -184,9 +205,11 @@ class SecretRedactor(logging.Filter):
         self.secrets = [s for s in secrets if s and len(s) >= 4]
 
     def redact(self, text: str) -> str:
+        from flashdraft.redact import redact
+
         for secret in self.secrets:
             text = text.replace(secret, "***")
-        return self.SIGNATURE.sub(r"\1***", text)
+        return redact(self.SIGNATURE.sub(r"\1***", text))
 
     def filter(self, record: logging.LogRecord) -> bool:
         record.msg = self.redact(record.getMessage())

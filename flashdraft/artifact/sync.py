@@ -26,6 +26,7 @@ from flashdraft.artifact.atomic import INTERNAL_PREFIX, atomic_write_bytes, atom
 from flashdraft.artifact.manifest import (
     MANIFEST,
     FileEntry,
+    Lineage,
     Manifest,
     ManifestError,
     Problem,
@@ -38,6 +39,7 @@ from flashdraft.artifact.manifest import (
     verify_dir,
     write_manifest,
 )
+from flashdraft.artifact.ownership import OWNER, claim_output, output_lock, read_marker
 from flashdraft.artifact.store import DEFAULT_PART_SIZE, Listed, Remote, StoreError
 from flashdraft.errors import ExpectedFailure
 
@@ -171,6 +173,9 @@ def check_objects(
             problems.append(Problem(entry.path, "missing at the destination"))
         elif remote.size != entry.size:
             problems.append(Problem(entry.path, f"size {remote.size}, manifest says {entry.size}"))
+        elif remote.sha256 is None and remote.crc64nvme is None:
+            problems.append(Problem(entry.path, "the store returned no checksum for it, so its content cannot be "
+                                                "confirmed (`verify --deep` re-hashes the bytes)"))
         elif not remote.matches(entry):
             problems.append(Problem(entry.path, "content differs: the store's checksum does not match the manifest"))
     for rel in sorted(listing):
@@ -189,9 +194,12 @@ def push(
     delete: bool = False,
     jobs: int = 8,
     part_size: int = DEFAULT_PART_SIZE,
+    force: bool = False,
     console: Console | None = None,
     log: Callable[[str], None] = print,
 ) -> SyncResult:
+    """Push the artifact at `src` to `store`. Refused before anything is written when the prefix holds an
+    artifact of another kind or lineage (unless `force`), or objects no manifest of this artifact listed."""
     if getattr(store, "prefix", None) == "":
         raise StoreError(f"refusing to push to the bucket root {store.url}: name a prefix (e.g. {store.url}/run1/data)")
     manifest, raw = local_manifest(Path(src), log)
@@ -208,25 +216,28 @@ def push(
     present |= {r: h for r, h in zip(to_head, _parallel(store.head, to_head, jobs), strict=True) if h is not None}
     to_send = [e for e in manifest.files if not (e.path in present and present[e.path].matches(e))]
     extra = [rel for rel in listing if rel != MANIFEST and rel not in listed]
-    remote_manifest = store.read_bytes(MANIFEST) if MANIFEST in listing else None
+    remote_manifest = claim_prefix(store, manifest.kind, manifest.lineage, force=force, log=log) \
+        if MANIFEST in listing else None
 
     if not to_send and not extra and remote_manifest == raw:
         memo.save(manifest, {rel: listing[rel] for rel in listed})
         result.already_done, result.skipped, result.verified = True, len(manifest.files), len(manifest.files)
         return result
 
-    # What earlier manifests of this artifact listed: the only objects --delete may remove (checked before
-    # anything changes). Kept under an internal name while the manifest is absent, so a push killed midway
-    # still knows on its rerun.
+    # What earlier manifests of this artifact listed: the only objects --delete may remove. Kept under an
+    # internal name while the manifest is absent, so a push killed midway still knows on its rerun. Anything
+    # else under the prefix stops the push before it changes anything.
     earlier = _listed_by(store.read_bytes(EARLIER)) | _listed_by(remote_manifest)
+    if force:
+        earlier |= set(extra)
     foreign = [rel for rel in extra if rel not in earlier]
-    if delete and foreign:
-        raise VerifyFailed(store.url, [Problem(rel, "unlisted object that no earlier manifest of this artifact "
-                                                    "listed: not deleted (another artifact's? remove it by hand "
-                                                    "or push to an empty prefix)") for rel in foreign])
-    if remote_manifest is not None:
-        store.put_bytes(EARLIER, json.dumps(sorted(earlier)).encode())
-        store.delete(MANIFEST)  # the old artifact stops existing before any of its files change
+    if foreign or (extra and not delete):
+        why = ("unlisted object that no earlier manifest of this artifact listed: not deleted (another "
+               "artifact's? remove it by hand or push to an empty prefix)")
+        raise VerifyFailed(store.url, [Problem(rel, why if rel in foreign else
+                                               "unlisted object: not in the manifest (push with --delete to remove it)")
+                                       for rel in foreign + [r for r in extra if r not in foreign]])
+    retire_manifest(store, remote_manifest, earlier)
     if hasattr(store, "abort_incomplete_uploads") and (aborted := store.abort_incomplete_uploads()):
         log(f"push: aborted {aborted} incomplete multipart upload(s) an earlier push left at {store.url}")
     total = sum(e.size for e in to_send)
@@ -243,9 +254,15 @@ def push(
     problems = check_objects(store, manifest, jobs, known=known, confirmed=confirmed)
     if problems:
         raise VerifyFailed(store.url, problems)
-    store.put_manifest(raw)
+    store.put_manifest(raw)  # a conditional create: a second writer's fails (this push deleted the old one)
     if store.read_bytes(MANIFEST) != raw:
         raise VerifyFailed(store.url, [Problem(MANIFEST, "the committed manifest does not read back identically")])
+    if changed := changed_since(store, confirmed):  # another writer overwrote an object while this one committed
+        if store.read_bytes(MANIFEST) == raw:
+            store.delete(MANIFEST)
+        raise VerifyFailed(store.url, [Problem(rel, "overwritten by another writer while this push committed; "
+                                                    "the manifest was withdrawn: rerun once it has finished")
+                                       for rel in changed])
     store.delete(EARLIER)
     memo.save(manifest, confirmed)
 
@@ -255,6 +272,68 @@ def push(
 
 
 EARLIER = f"{INTERNAL_PREFIX}earlier-files.json"  # in the store: files earlier manifests listed (see push)
+
+
+class PrefixOwned(ExpectedFailure):
+    """The store prefix holds another run's artifact: writing there would replace it."""
+
+
+def claim_prefix(store, kind: str, lineage: Lineage, *, force: bool = False,
+                 log: Callable[[str], None] = print) -> bytes | None:
+    """The manifest bytes at `store` (None if absent), after checking the prefix is this artifact's to replace:
+    the same kind and lineage (inputs and config). Another kind's or lineage's is refused before anything is
+    written, unless `force` (then said in one line)."""
+    raw = store.read_bytes(MANIFEST)
+    if raw is None:
+        return None
+    try:
+        theirs = parse_manifest(raw)
+    except ManifestError as e:
+        reason: str | None = f"a manifest flashdraft cannot read ({e})"
+    else:
+        other = "inputs" if theirs.lineage.inputs != lineage.inputs else "settings"
+        reason = (f"a {theirs.kind} artifact" if theirs.kind != kind else None
+                  if theirs.lineage.same_work(lineage) else f"a {theirs.kind} artifact made from other {other}")
+    if reason is None:
+        return raw
+    if not force:
+        raise PrefixOwned(f"{store.url} holds {reason} (created {_created(raw)}); nothing was written. Push to "
+                          "another prefix, or replace it on purpose with `flashdraft sync push --force`")
+    log(f"notice: replacing {reason} at {store.url} (--force)")
+    return raw
+
+
+def _created(raw: bytes) -> str:
+    try:
+        return str(json.loads(raw).get("created", "?"))
+    except (ValueError, AttributeError):
+        return "?"
+
+
+def retire_manifest(store, read_at_start: bytes | None, earlier: set[str]) -> None:
+    """Withdraw the prefix's manifest before any of its objects change (the old artifact stops existing), after
+    checking it is still the one this writer read at its start: another writer's newer commit is not deleted."""
+    if read_at_start is None:
+        return
+    if store.read_bytes(MANIFEST) != read_at_start:
+        raise VerifyFailed(store.url, [Problem(MANIFEST, "another writer committed here since this one started; "
+                                                         "nothing was changed: rerun to see what is there now")])
+    store.put_bytes(EARLIER, json.dumps(sorted(earlier)).encode())
+    store.delete(MANIFEST)
+
+
+def open_for_writing(store, kind: str, lineage: Lineage) -> None:
+    """Before objects are written one by one under a prefix (generate's batch uploads): refuse another run's
+    artifact there, and withdraw this artifact's own manifest first, so no object changes under a live one."""
+    raw = claim_prefix(store, kind, lineage)
+    retire_manifest(store, raw, _listed_by(store.read_bytes(EARLIER)) | _listed_by(raw))
+
+
+def changed_since(store, confirmed: dict[str, Listed]) -> list[str]:
+    """Objects whose listing (size, ETag) changed since they were confirmed: one listing, not a head each."""
+    now = store.list()
+    return sorted(rel for rel, seen in confirmed.items()
+                  if rel not in now or now[rel].size != seen.size or now[rel].etag != seen.etag)
 
 
 def _listed_by(raw: bytes | None) -> set[str]:
@@ -342,6 +421,19 @@ def pull(
     dst = Path(dst)
     manifest, raw = remote_manifest(store)
     refuse_unsafe_paths(manifest, dst)
+    with output_lock(dst):
+        # dst must be empty, missing or this kind's (its own files only, unless --delete); marked while files
+        # change, with the files its old manifest named (ours to replace), so a killed pull resumes.
+        earlier = _listed_by((dst / MANIFEST).read_bytes() if (dst / MANIFEST).is_file() else None)
+        earlier |= set(read_marker(dst).get("earlier", [])) if dst.is_dir() else set()
+        claim_output(dst, manifest.kind, mark=True, strays_ok=delete, earlier=sorted(earlier))
+        result = _pull_into(store, dst, manifest, raw, earlier, delete, jobs, console)
+        (dst / OWNER).unlink(missing_ok=True)
+        return result
+
+
+def _pull_into(store, dst: Path, manifest: Manifest, raw: bytes, earlier: set[str], delete: bool, jobs: int,
+               console) -> SyncResult:
     result = SyncResult("pull", store.url, str(dst))
 
     # What is here already, by content.
@@ -357,17 +449,16 @@ def pull(
         result.already_done, result.skipped, result.verified = True, len(manifest.files), len(manifest.files)
         return result
 
+    if strays := [rel for rel in extra if rel not in earlier and not delete]:  # before anything changes
+        raise VerifyFailed(str(dst), [Problem(rel, "unlisted local file that no earlier manifest here named "
+                                                   "(pull with --delete to remove it)") for rel in strays])
     if local_raw is not None:
         (dst / MANIFEST).unlink()  # the local copy stops being an artifact while it changes
     total = sum(e.size for e in to_fetch)
     with transfer_progress(console, total, "download") as advance:
         # Each download is hashed as it is written and renamed into place only if it matches.
         _transfer_all(lambda e: store.download(e.path, dst / e.path, e, advance), to_fetch, jobs)
-    if extra and not delete:
-        raise VerifyFailed(
-            str(dst), [Problem(rel, "unlisted local file (pull with --delete to remove it)") for rel in extra]
-        )
-    for rel in extra:
+    for rel in extra:  # files of the version this one replaces (or, with --delete, any unlisted file)
         (dst / rel).unlink()
     dst.mkdir(parents=True, exist_ok=True)
     atomic_write_bytes(dst / MANIFEST, raw)

@@ -30,12 +30,13 @@ from flashdraft.artifact.manifest import (
     MANIFEST,
     Lineage,
     check_done,
-    commit,
+    commit_dir,
     identity,
     read_manifest,
     require_verified,
     sha256_json,
 )
+from flashdraft.artifact.ownership import hold_output
 from flashdraft.config import EvalConfig
 from flashdraft.errors import BadInput
 from flashdraft.evaluate.decode import SpecDecoder, divergence, target_only
@@ -67,62 +68,63 @@ def run(
     lineage = Lineage(
         inputs=[identity(drafter_dir)], config=sha256_json({"eval": cfg.model_dump(), "target": target_path})
     )
-    decision = check_done(out, lineage)
-    log(decision.line("eval", out))
-    if decision.done:
-        return read_manifest(out).stats
-    if (drafter_dir / MANIFEST).exists():  # re-hashed only now that it is about to be used
-        require_verified(drafter_dir, "drafter", "re-export it (rerun `flashdraft train`) or pull it again")
-    else:
-        log(f"eval: {drafter_dir} has no manifest (a drafter from elsewhere): its files are not verified")
+    with hold_output(out, "eval"):  # locked for the run; refused unless it is an eval report (or empty)
+        decision = check_done(out, lineage)
+        log(decision.line("eval", out))
+        if decision.done:
+            return read_manifest(out).stats
+        if (drafter_dir / MANIFEST).exists():  # re-hashed only now that it is about to be used
+            require_verified(drafter_dir, "drafter", "re-export it (rerun `flashdraft train`) or pull it again")
+        else:
+            log(f"eval: {drafter_dir} has no manifest (a drafter from elsewhere): its files are not verified")
 
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    target = Target(target_path, device, log, cfg.target_dtype)
-    drafter = load_drafter(drafter_dir, device=device, dtype=target.model.dtype)
-    if drafter.config.num_target_layers != target.config.num_hidden_layers:
-        raise BadInput(
-            f"the drafter was trained for a {drafter.config.num_target_layers}-layer target; "
-            f"{target_path} has {target.config.num_hidden_layers} layers"
-        )
-    tokenizer = AutoTokenizer.from_pretrained(target_path)
-    decoder = SpecDecoder(target, drafter, stop_token_ids(tokenizer, target.model.generation_config.eos_token_id))
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+        target = Target(target_path, device, log, cfg.target_dtype)
+        drafter = load_drafter(drafter_dir, device=device, dtype=target.model.dtype)
+        if drafter.config.num_target_layers != target.config.num_hidden_layers:
+            raise BadInput(
+                f"the drafter was trained for a {drafter.config.num_target_layers}-layer target; "
+                f"{target_path} has {target.config.num_hidden_layers} layers"
+            )
+        tokenizer = AutoTokenizer.from_pretrained(target_path)
+        decoder = SpecDecoder(target, drafter, stop_token_ids(tokenizer, target.model.generation_config.eos_token_id))
 
-    stateful = getattr(target.model, "_is_stateful", False)
-    if stateful:
-        log("eval: the prompt-lookup baseline is skipped: transformers' assisted generation refuses stateful "
-            "(hybrid linear-attention) models")
-    per_prompt = []
-    generator = torch.Generator(device=device).manual_seed(cfg.seed)
-    log(f"eval: {len(prompts)} prompts, {cfg.max_new_tokens} new tokens each, temperature {cfg.temperature}")
-    for prompt in prompts:
-        rendered = tokenizer.apply_chat_template(prompt.messages, add_generation_prompt=True, tokenize=True,
-                                                 return_dict=True, enable_thinking=cfg.thinking)
-        ids = list(rendered["input_ids"])
-        # Interleaved per prompt, so drift in machine load hits every method alike.
-        spec = decoder.generate(ids, cfg.max_new_tokens, cfg.temperature, generator)
-        base, base_s, _ = target_only(target, ids, cfg.max_new_tokens)
-        # transformers' prompt lookup (assisted generation) refuses stateful models (Qwen3.5/3.6 hybrids).
-        pld, pld_s, pld_calls = ([], None, None) if stateful else target_only(target, ids, cfg.max_new_tokens,
-                                                                              lookup=cfg.prompt_lookup_tokens)
-        diverged = divergence(target, ids, base, spec.tokens, cfg.near_tie_ulps) if cfg.temperature <= 0 else None
-        per_prompt.append({
-            "id": prompt.id, "category": prompt.category or "all", "tokens": len(spec.tokens),
-            "accepted": spec.accepted, "spec_seconds": spec.seconds, "target_seconds": base_s,
-            "target_tokens": len(base), "lookup_seconds": pld_s, "lookup_tokens": len(pld),
-            "lookup_forwards": pld_calls,
-            "lossless": (diverged is None or diverged["near_tie"]) if cfg.temperature <= 0 else None,
-            "divergence": diverged,
-        })
+        stateful = getattr(target.model, "_is_stateful", False)
+        if stateful:
+            log("eval: the prompt-lookup baseline is skipped: transformers' assisted generation refuses stateful "
+                "(hybrid linear-attention) models")
+        per_prompt = []
+        generator = torch.Generator(device=device).manual_seed(cfg.seed)
+        log(f"eval: {len(prompts)} prompts, {cfg.max_new_tokens} new tokens each, temperature {cfg.temperature}")
+        for prompt in prompts:
+            rendered = tokenizer.apply_chat_template(prompt.messages, add_generation_prompt=True, tokenize=True,
+                                                     return_dict=True, enable_thinking=cfg.thinking)
+            ids = list(rendered["input_ids"])
+            # Interleaved per prompt, so drift in machine load hits every method alike.
+            spec = decoder.generate(ids, cfg.max_new_tokens, cfg.temperature, generator)
+            base, base_s, _ = target_only(target, ids, cfg.max_new_tokens)
+            # transformers' prompt lookup (assisted generation) refuses stateful models (Qwen3.5/3.6 hybrids).
+            pld, pld_s, pld_calls = ([], None, None) if stateful else target_only(target, ids, cfg.max_new_tokens,
+                                                                                  lookup=cfg.prompt_lookup_tokens)
+            diverged = divergence(target, ids, base, spec.tokens, cfg.near_tie_ulps) if cfg.temperature <= 0 else None
+            per_prompt.append({
+                "id": prompt.id, "category": prompt.category or "all", "tokens": len(spec.tokens),
+                "accepted": spec.accepted, "spec_seconds": spec.seconds, "target_seconds": base_s,
+                "target_tokens": len(base), "lookup_seconds": pld_s, "lookup_tokens": len(pld),
+                "lookup_forwards": pld_calls,
+                "lossless": (diverged is None or diverged["near_tie"]) if cfg.temperature <= 0 else None,
+                "divergence": diverged,
+            })
 
-    report = summarize(per_prompt, drafter.block_size, cfg)
-    report["target_dtype"] = str(target.model.dtype).removeprefix("torch.")  # the type greedy output was compared in
-    out.mkdir(parents=True, exist_ok=True)
-    atomic_write_text(out / "report.json", json.dumps({**report, "prompts": per_prompt}, indent=1))
-    plot(report, out)
-    stats = {key: report[key] for key in ("acceptance_length", "lossless", "speedup", "speedup_per_prompt",
-                                          "lookup_acceptance_length", "lookup_speedup", "prompts", "tokens_per_s",
-                                          "target_dtype", "near_ties")}
-    commit(out, "eval", stats=stats, lineage=lineage)
+        report = summarize(per_prompt, drafter.block_size, cfg)
+        # the type greedy output was compared in
+        report["target_dtype"] = str(target.model.dtype).removeprefix("torch.")
+        stats = {key: report[key] for key in ("acceptance_length", "lossless", "speedup", "speedup_per_prompt",
+                                              "lookup_acceptance_length", "lookup_speedup", "prompts", "tokens_per_s",
+                                              "target_dtype", "near_ties")}
+        with commit_dir(out, "eval", stats=stats, lineage=lineage) as building:  # its own files, renamed in whole
+            atomic_write_text(building / "report.json", json.dumps({**report, "prompts": per_prompt}, indent=1))
+            plot(report, building)
     per = report["speedup_per_prompt"]
     checked = (f"lossless {report['lossless']} ({report['target_dtype']} target{lossless_detail(report, per_prompt)})"
                if report["lossless"] is not None else

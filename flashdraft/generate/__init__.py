@@ -33,11 +33,12 @@ from flashdraft.artifact.manifest import (
     commit,
     content_digest,
     digest_file,
-    list_data_files,
     read_manifest,
     sha256_json,
     verify_dir,
 )
+from flashdraft.artifact.ownership import OWNER, adopt, output_lock, read_marker, remove_inside
+from flashdraft.artifact.ownership import claim_output as claim_output_of_kind
 from flashdraft.config import GenerateConfig
 from flashdraft.errors import BadInput, ExpectedFailure
 from flashdraft.generate.backends import Completion, context_rejections, make_backend
@@ -53,7 +54,7 @@ from flashdraft.generate.prompts import (
 from flashdraft.generate.turns import regenerate
 from flashdraft.progress import progress
 
-CLAIM = ".flashdraft-generate.json"  # in-progress marker: which lineage the partial batches belong to
+LEGACY_CLAIM = ".flashdraft-generate.json"  # flashdraft ≤ 0.1's in-progress marker (now the owner marker's lineage)
 
 
 class OutputInUse(ExpectedFailure):
@@ -89,12 +90,15 @@ class GenerationIncomplete(ExpectedFailure):
 
 
 def claim_output(out: Path, lineage: Lineage) -> None:
-    """Mark `out` as this run's, or refuse if it holds another run's batches.
+    """Mark `out` as this run's, or refuse if it holds anything else (another run's batches, a user's files).
 
-    A finished run of the same lineage that no longer verifies is reopened: the files that fail are
-    removed (and regenerated), the rest kept.
+    A finished run of the same lineage that no longer verifies is reopened: the files its manifest names that
+    fail are removed (and regenerated), the rest kept.
     """
-    marker = out / CLAIM
+    legacy = out / LEGACY_CLAIM  # a run that flashdraft ≤ 0.1 started and did not finish
+    adopt(out, "completions", made_before_markers=legacy.is_file(),
+          lineage=json.loads(legacy.read_text()) if legacy.is_file() else None)
+    claim_output_of_kind(out, "completions")  # refuses a directory that is not a completions output
     if (out / MANIFEST).is_file():
         try:
             previous = read_manifest(out)
@@ -103,17 +107,16 @@ def claim_output(out: Path, lineage: Lineage) -> None:
         if previous is None or not previous.lineage.same_work(lineage):
             raise OutputInUse(f"{out} holds a finished run with different prompts or settings; use another --out")
         for problem in verify_dir(out):
-            (out / problem.path).unlink(missing_ok=True)
+            remove_inside(out, problem.path)  # only a file the manifest names, inside out
+        claim_output_of_kind(out, "completions", mark=True, lineage=lineage.model_dump())
         (out / MANIFEST).unlink()
-        atomic_write_text(marker, lineage.model_dump_json())
         return
-    if marker.is_file():
-        if Lineage.model_validate_json(marker.read_text()).same_work(lineage):
+    marker = read_marker(out).get("lineage")
+    if marker is not None:
+        if Lineage.model_validate(marker).same_work(lineage):
             return
         raise OutputInUse(f"{out} holds batches of a run with different prompts or settings; use another --out")
-    if list_data_files(out) if out.is_dir() else []:
-        raise OutputInUse(f"{out} already holds files that are not this run's; use another --out")
-    atomic_write_text(marker, lineage.model_dump_json())
+    claim_output_of_kind(out, "completions", mark=True, lineage=lineage.model_dump())
 
 
 def to_record(prompt: Prompt, history: list[dict[str, Any]], done: Completion, model: str,
@@ -158,6 +161,11 @@ def run(
 ) -> dict[str, Any]:
     """Generate into `out`; returns the manifest's stats. Skips entirely when `out` is done and verifies."""
     out = Path(out)
+    with output_lock(out):  # one writer per output for the whole run
+        return _run_locked(cfg, out, upload_to, console, log)
+
+
+def _run_locked(cfg: GenerateConfig, out: Path, upload_to: str | None, console, log) -> dict[str, Any]:
     lineage = lineage_for(cfg)
     decision = check_done(out, lineage)
     log(decision.line("generate", out))
@@ -184,6 +192,10 @@ def run(
         f"{len(prompt_set.rejected)} rejected lines, {prompt_set.duplicates} duplicates dropped"
     )
     store = _open_upload_store(upload_to)
+    if store is not None and todo:  # batches will land one by one: never under a live manifest, never another's
+        from flashdraft.artifact.sync import open_for_writing
+
+        open_for_writing(store, "completions", lineage)
 
     if todo:
         backend = make_backend(cfg, log)
@@ -299,7 +311,8 @@ def _finalize(out: Path, num_batches: int, prompt_set, lineage: Lineage, cfg: Ge
             f"records are kept), or allow some with generate.max_error_fraction (now {cfg.max_error_fraction:g})"
         )
     commit(out, "completions", stats=stats, lineage=lineage)
-    (out / CLAIM).unlink(missing_ok=True)
+    (out / OWNER).unlink(missing_ok=True)
+    (out / LEGACY_CLAIM).unlink(missing_ok=True)
     return stats
 
 

@@ -22,6 +22,7 @@ from typing import Any
 from flashdraft.config import EMBEDDED_TARGET, GenerateConfig
 from flashdraft.errors import BadInput
 from flashdraft.generate.prompts import Prompt
+from flashdraft.redact import redact
 
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 
@@ -227,7 +228,7 @@ class OpenAIBackend:
                     extra_body={"chat_template_kwargs": {"enable_thinking": prompt.thinking}},
                 )
             except openai.OpenAIError as e:
-                return Completion(finish_reason="error", error=f"{type(e).__name__}: {e}")
+                return Completion(finish_reason="error", error=redact(f"{type(e).__name__}: {e}"))
         if not response.choices:
             return Completion(finish_reason="error", error="the server returned no choices")
         choice = response.choices[0]

@@ -16,10 +16,10 @@ from typing import Any
 
 import torch
 from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 from transformers import Qwen3Config
 
-from flashdraft.artifact.atomic import atomic_write_text
+from flashdraft.artifact.atomic import atomic_write_text, write_safetensors
 from flashdraft.artifact.manifest import commit_dir
 from flashdraft.errors import BadInput
 from flashdraft.model.drafter import DFlashDrafter
@@ -69,7 +69,7 @@ def save_drafter(drafter: DFlashDrafter, out: Path, stats: dict[str, Any] | None
         shutil.copyfile(MODELING_FILE, tmp / MODELING_FILE.name)
         state = {k: (v.to(DTYPES[dtype]) if v.is_floating_point() else v).detach().to("cpu").contiguous()
                  for k, v in state.items()}
-        save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        write_safetensors(state, tmp / "model.safetensors", metadata={"format": "pt"})
     return Path(out)
 
 

@@ -20,7 +20,11 @@ from __future__ import annotations
 
 import json
 import os
+from collections import deque
 from collections.abc import Callable, Iterator
+from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
+from contextlib import ExitStack
 from multiprocessing import get_context
 from pathlib import Path
 from typing import Any
@@ -29,18 +33,17 @@ import numpy as np
 
 from flashdraft.artifact.atomic import atomic_write_text
 from flashdraft.artifact.manifest import (
-    MANIFEST,
     Lineage,
     check_done,
-    commit,
+    commit_dir,
     content_digest,
     identity,
-    list_data_files,
     read_manifest,
     sha256_json,
 )
+from flashdraft.artifact.ownership import hold_output
 from flashdraft.config import TokenizeConfig
-from flashdraft.errors import ExpectedFailure
+from flashdraft.errors import BadInput, ExpectedFailure
 from flashdraft.progress import progress
 from flashdraft.tokenize.offsets import longest_run
 from flashdraft.tokenize.records import all_records, expand_inputs
@@ -84,30 +87,69 @@ def run(
         inputs=[content_digest(s) for s in sources],
         config=sha256_json({"tokenize": cfg.model_dump(exclude={"workers"}), "tokenizer": identity(tokenizer_path)}),
     )
-    decision = check_done(out, lineage)
-    log(decision.line("tokenize", out))
-    if decision.done:
-        return read_manifest(out).stats
-    _clear_output(out)
+    with hold_output(out, "dataset"):  # locked for the whole run; refused unless it is a dataset (or empty)
+        decision = check_done(out, lineage)
+        log(decision.line("tokenize", out))
+        if decision.done:
+            return read_manifest(out).stats
+        records, from_generate = all_records(sources)
+        if len(sources) > 1:
+            log(f"tokenize: {len(sources)} inputs merged ({', '.join(s.name for s in sources)}), duplicates "
+                "dropped by id")
+        init = (tokenizer_path, cfg, from_generate)
+        load_tokenizer_here(init)  # a tokenizer that cannot load is one line here, not a crash in every worker
+        stats: dict[str, Any] = {}
+        # Built in a temp sibling and renamed over `out` once it verifies: the old dataset stays whole until then.
+        with commit_dir(out, "dataset", stats=stats, lineage=lineage) as building:
+            stats |= build(cfg, records, building, init, lineage, console)
+            _gate(stats, cfg, out)
+    log(
+        f"tokenize: done, verified — {out}: {stats['samples']} samples, {stats['tokens']:,} tokens, "
+        f"{stats['loss_fraction']:.1%} supervised, {stats['rejected']} rejected, {stats['truncated']} truncated, "
+        f"{stats['anchor_valid_samples']} with a full block of supervised tokens"
+    )
+    return stats
 
-    records, from_generate = all_records(sources)
-    if len(sources) > 1:
-        log(f"tokenize: {len(sources)} inputs merged ({', '.join(s.name for s in sources)}), duplicates dropped by id")
+
+def load_tokenizer_here(init: tuple) -> None:
+    """Load the tokenizer in this process before any worker starts: its failure is the run's one-line error."""
+    try:
+        init_worker(*init)
+    except ExpectedFailure:
+        raise
+    except Exception as e:  # whatever transformers raises for a directory without a usable tokenizer
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise BadInput(f"cannot load a tokenizer from {init[0]}: {first}") from None
+
+
+def in_order(pool: ProcessPoolExecutor, chunks: Iterator[list], ahead: int) -> Iterator[ChunkResult]:
+    """`pool.map` that reads its input lazily: at most `ahead` chunks in flight, results in input order (the
+    same output for any number of workers)."""
+    pending: deque = deque()
+    for chunk in chunks:
+        pending.append(pool.submit(process_chunk, chunk))
+        if len(pending) >= ahead:
+            yield pending.popleft().result()
+    while pending:
+        yield pending.popleft().result()
+
+
+def build(cfg: TokenizeConfig, records: Iterator, out: Path, init: tuple, lineage: Lineage, console
+          ) -> dict[str, Any]:
+    """Tokenize every record into shards under `out`; returns the dataset stats."""
     workers = cfg.workers or os.cpu_count() or 1
     writer = ShardWriter(out, cfg.rows_per_shard)
     totals = ChunkResult()
     lengths: list[int] = []
     seen_tokens, seen_ids, duplicates = 0, set(), 0
-    init = (tokenizer_path, cfg, from_generate)
     text = "tokenize {task.completed:,} records, {task.fields[tokens]:,} tokens"
-    with progress(console, text, tokens=0) as update, no_cyclic_gc():
+    with progress(console, text, tokens=0) as update, no_cyclic_gc(), ExitStack() as stack:
         if workers == 1:
-            init_worker(*init)
-            results = map(process_chunk, _chunks(records, CHUNK))
-            pool = None
+            results = map(process_chunk, _chunks(records, CHUNK))  # the tokenizer loaded here already
         else:
-            pool = get_context("spawn").Pool(workers, initializer=init_pool_worker, initargs=init)
-            results = pool.imap(process_chunk, _chunks(records, CHUNK))  # ordered: same output for any N
+            pool = stack.enter_context(ProcessPoolExecutor(workers, mp_context=get_context("spawn"),
+                                                           initializer=init_pool_worker, initargs=init))
+            results = in_order(pool, _chunks(records, CHUNK), ahead=2 * workers)
         try:
             for chunk in results:
                 duplicates += drop_seen(chunk, seen_ids, cfg.block_size)
@@ -119,10 +161,9 @@ def run(
                 lengths.extend(chunk_lengths)
                 seen_tokens += sum(chunk_lengths)
                 update(advance=len(chunk.rows) + len(chunk.rejected), tokens=seen_tokens)
-        finally:
-            if pool is not None:
-                pool.close()
-                pool.join()
+        except BrokenProcessPool as e:  # a worker died (killed, out of memory): the run ends, it does not hang
+            raise ExpectedFailure(f"a tokenize worker died ({e}); rerun, or use fewer --workers if memory is "
+                                  "short") from None
 
     tokens, loss_tokens, anchor_valid = int(sum(lengths)), totals.loss_tokens, totals.anchor_valid
     stats = {
@@ -145,19 +186,12 @@ def run(
             )
             if n
         },
-        "input_kind": "completions" if from_generate else "conversations",
+        "input_kind": "completions" if init[2] else "conversations",
         "tokenizer_vocab": totals.tokenizer_vocab or None,
     }
     atomic_write_text(out / "rejected.jsonl", "".join(json.dumps(r) + "\n" for r in totals.rejected))
     shards = writer.finish(lineage.config)
     stats["shards"] = [{"file": f, **s} for f, s in zip(shards, writer.shard_stats, strict=True)]
-    _gate(stats, cfg)
-    commit(out, "dataset", stats=stats, lineage=lineage)
-    log(
-        f"tokenize: done, verified — {out}: {stats['samples']} samples, {tokens:,} tokens, "
-        f"{stats['loss_fraction']:.1%} supervised, {stats['rejected']} rejected, {stats['truncated']} truncated, "
-        f"{anchor_valid} with a full block of supervised tokens"
-    )
     return stats
 
 
@@ -176,26 +210,20 @@ def drop_seen(chunk: ChunkResult, seen_ids: set[str], block_size: int) -> int:
     return dropped
 
 
-def _gate(stats: dict[str, Any], cfg: TokenizeConfig) -> None:
+def _gate(stats: dict[str, Any], cfg: TokenizeConfig, out: Path) -> None:
     fraction = stats["loss_fraction"]
+    kept = f"No manifest was written and {out} was not changed"
     if stats["samples"] == 0:
-        raise QualityGateFailed("no usable samples: every record was rejected (see rejected.jsonl)")
+        raise QualityGateFailed(f"no usable samples: every record was rejected ({stats['rejected']} rejected). "
+                                f"{kept}; the reasons: `flashdraft tokenize --input … --out OTHER "
+                                "--min-loss-fraction 0` writes them to OTHER/rejected.jsonl")
     if fraction < cfg.min_loss_fraction:
         raise QualityGateFailed(
             f"only {fraction:.1%} of tokens are supervised (gate: {cfg.min_loss_fraction:.0%}): responses are "
-            f"probably truncated, empty or missing, or prompts dwarf them. No manifest was written. Inspect with "
-            f"`flashdraft tokenize --show 3 --out DIR`, or lower --min-loss-fraction if this is intended."
+            f"probably truncated, empty or missing, or prompts dwarf them. {kept}. Inspect with "
+            f"`flashdraft tokenize --input … --out OTHER --min-loss-fraction 0 --show 3`, or lower "
+            f"--min-loss-fraction if this is intended."
         )
-
-
-def _clear_output(out: Path) -> None:
-    """A rebuild starts from nothing: remove the old manifest first (the artifact stops existing), then data."""
-    if not out.exists():
-        out.mkdir(parents=True)
-        return
-    (out / MANIFEST).unlink(missing_ok=True)
-    for rel in list_data_files(out):
-        (out / rel).unlink()
 
 
 # ---------------------------------------------------------------------------------------------- inspect

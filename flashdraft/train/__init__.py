@@ -43,6 +43,7 @@ from flashdraft.artifact.manifest import (
     require_verified,
     sha256_json,
 )
+from flashdraft.artifact.ownership import adopt, claim_output, output_lock
 from flashdraft.config import TrainConfig
 from flashdraft.layout import CHECKPOINTS, DRAFTER
 from flashdraft.model.drafter import DFlashDrafter, draft_config
@@ -58,6 +59,7 @@ from flashdraft.train.checkpoint import (
     other_work,
     pull_newer_checkpoint,
     save_checkpoint,
+    store_other_work,
 )
 from flashdraft.train.data import (
     BadTrainingInput,
@@ -74,7 +76,7 @@ from flashdraft.train.step import Planned, batch_step, evaluate_heldout, plan_ba
 __all__ = ["BadTrainingInput", "run"]
 
 # Settings that say where or how output is kept, not what is trained: changing them keeps the lineage.
-NOT_LINEAGE = {"device", "target_device", "push_to", "keep_checkpoints", "micro_batch", "prefetch"}
+NOT_LINEAGE = {"device", "target_device", "push_to", "push_attempts", "keep_checkpoints", "micro_batch", "prefetch"}
 
 
 def run(
@@ -86,7 +88,17 @@ def run(
     console=None,
     log: Callable[[str], None] = print,
 ) -> dict:
-    data, out = Path(data), Path(out)
+    """Train into `out`; rank 0, the one process that writes there, holds it locked for the whole run."""
+    out = Path(out)
+    if int(os.environ.get("RANK", "0")) != 0:
+        return _run(cfg, Path(data), out, require_checkpoint, console, log)
+    with output_lock(out):
+        adopt(out, "train", made_before_markers=(out / CHECKPOINTS).is_dir() or (out / DRAFTER).is_dir())
+        claim_output(out, "train", mark=True)  # refuses a directory that is not a train output
+        return _run(cfg, Path(data), out, require_checkpoint, console, log)
+
+
+def _run(cfg: TrainConfig, data: Path, out: Path, require_checkpoint: bool, console, log) -> dict:
     where = place(cfg)
     say = log if where.rank == 0 else (lambda s: None)
     if not (data / MANIFEST).is_file():
@@ -106,10 +118,13 @@ def run(
     say(decision.line("train", drafter_dir))
     if decision.done:
         if cfg.push_to and where.rank == 0:  # done here; make sure the store holds it too (a no-op when it does)
-            shipper = CheckpointShipper(out, cfg, say)
+            shipper = CheckpointShipper(out, cfg, say, lineage)
             shipper.drafter(drafter_dir)
             shipper.wait()
         return read_manifest(drafter_dir).stats
+    if cfg.push_to and where.rank == 0 and (theirs := store_other_work(cfg.push_to, lineage)):
+        raise BadTrainingInput(f"{theirs} was trained from other data or settings; pushing this run there would "
+                               "replace it (and its replacement node would start over). Use another --push-to")
     # The input is re-hashed only when it is about to be used, not on an "already done" rerun.
     dataset_manifest = require_verified(data, "dataset", "re-run `flashdraft tokenize`, or pull it again")
     resume = latest_checkpoint(out, lineage, say)
@@ -142,7 +157,7 @@ def run(
         f"mask token {s.drafter.mask_token_id}, target layers {s.drafter.target_layer_ids}")
 
     started = time.perf_counter()
-    shipper = CheckpointShipper(out, cfg, say)
+    shipper = CheckpointShipper(out, cfg, say, lineage)
     sinks = MetricSinks(out, where.rank == 0, cfg.model_dump())
     position, last = loop(cfg, s, position, sinks, shipper, lineage, out, console)
     held = evaluate_heldout(s.model, s.target, s.dataset, s.heldout_ids, cfg, where.device, s.cache)
@@ -305,6 +320,7 @@ def loop(cfg: TrainConfig, s: Setup, position: dict, sinks: MetricSinks, shipper
                 position = {"step": step, "epoch": epoch, "batch": b + 1}
                 last = step_metrics(step, epoch, results, world, time.perf_counter() - t0, s.scheduler)
                 sinks.log(last)
+                shipper.raise_if_failed()  # a checkpoint that could not be pushed stops the run now, not at its end
                 update(advance=1, loss=f"{last['loss']:.3f}", tau=f"{last['simulated_acceptance_length']:.2f}",
                        tps=f"{last['tokens_per_s']:,.0f}")
                 if step % cfg.checkpoint_every == 0 or b + 1 == s.steps_per_epoch or step == s.total_steps:

@@ -1,26 +1,35 @@
 """Checkpoints: save, load, find the newest complete one, prune, and ship them to a store in the background.
 
-    <out>/checkpoints/step-0000200/   drafter.safetensors, optimizer.pt, position.json, manifest.json
+    <out>/checkpoints/step-0000200/   drafter.safetensors, optimizer.safetensors, trainer_state.json,
+                                      position.json, manifest.json
 
 Each checkpoint is an artifact (manifest last, committed by one rename): a crash mid-save leaves no
 checkpoint that `latest_checkpoint` would pick. Resume restores model, optimizer, scheduler and the data
 position; anchors are a function of (seed, epoch, sample), so a resumed run follows the same loss curve.
+
+Nothing in a checkpoint is executed when it is loaded: a checkpoint may come from a store other machines write
+to. Tensors (weights, optimizer moments) are safetensors; everything else (param groups, scheduler, position)
+is JSON. Never pickle: a planted `optimizer.pt` would run its payload on the training node.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import time
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
-from flashdraft.artifact.atomic import atomic_write_text
+from flashdraft.artifact.atomic import atomic_write_text, write_safetensors
 from flashdraft.artifact.manifest import MANIFEST, Lineage, ManifestError, commit_dir, read_manifest, verify_dir
 from flashdraft.config import TrainConfig
+from flashdraft.errors import ExpectedFailure
 from flashdraft.layout import CHECKPOINTS, DRAFTER, join
+from flashdraft.train.data import BadTrainingInput
 
 
 def checkpoint_dirs(out: Path) -> list[Path]:
@@ -38,46 +47,96 @@ def full_state(model, optimizer) -> tuple[dict, dict]:
     return get_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 
 
+OPTIMIZER_TENSORS = "optimizer.safetensors"  # per-parameter optimizer state, keyed "<param name>/<state key>"
+TRAINER_STATE = "trainer_state.json"  # param groups, non-tensor optimizer state, the scheduler's state
+LEGACY_OPTIMIZER = "optimizer.pt"  # flashdraft ≤ 0.1 (pickled); read only with torch.load(weights_only=True)
+
+
+def split_optimizer_state(optimizer_state: dict) -> tuple[dict[str, torch.Tensor], dict]:
+    """A full optimizer state dict as (tensors for safetensors, the rest as JSON-able values)."""
+    tensors, plain = {}, {}
+    for name, per_param in optimizer_state["state"].items():
+        for key, value in per_param.items():
+            if isinstance(value, torch.Tensor):
+                tensors[f"{name}/{key}"] = value.detach().cpu().contiguous()
+            else:
+                plain.setdefault(str(name), {})[key] = value
+    return tensors, {"state": plain, "param_groups": optimizer_state["param_groups"]}
+
+
+def join_optimizer_state(tensors: dict[str, torch.Tensor], plain: dict) -> dict:
+    """The inverse of `split_optimizer_state`."""
+    state: dict[str, dict] = {name: dict(values) for name, values in plain["state"].items()}
+    for flat, value in tensors.items():
+        name, key = flat.rsplit("/", 1)
+        state.setdefault(name, {})[key] = value
+    return {"state": state, "param_groups": plain["param_groups"]}
+
+
 def save_checkpoint(out: Path, step: int, state: tuple[dict, dict], scheduler, position: dict,
                     lineage: Lineage) -> Path:
     """A checkpoint is an artifact: weights, optimizer + scheduler, data position; committed in one rename.
     `state`: what `full_state` returned (on rank 0, which alone writes)."""
     final = out / CHECKPOINTS / f"step-{step:07d}"
     weights, optimizer_state = state
+    optimizer_tensors, optimizer_plain = split_optimizer_state(optimizer_state)
+    trainer_state = {"optimizer": optimizer_plain, "scheduler": scheduler.state_dict()}
+    if final.is_dir() and not (final / MANIFEST).is_file():  # what a killed pull left in train's own layout
+        shutil.rmtree(final)
     with commit_dir(final, "checkpoint", stats=position, lineage=lineage) as tmp:
-        save_file({k: v.detach().cpu().contiguous() for k, v in weights.items()}, str(tmp / "drafter.safetensors"))
-        torch.save({"optimizer": optimizer_state, "scheduler": scheduler.state_dict()}, tmp / "optimizer.pt")
+        write_safetensors({k: v.detach().cpu().contiguous() for k, v in weights.items()}, tmp / "drafter.safetensors")
+        write_safetensors(optimizer_tensors, tmp / OPTIMIZER_TENSORS)
+        atomic_write_text(tmp / TRAINER_STATE, json.dumps(trainer_state, allow_nan=True))
         atomic_write_text(tmp / "position.json", json.dumps(position))
     return final
 
 
 def load_checkpoint(path: Path, model, optimizer, scheduler) -> dict:
     """Restore what `save_checkpoint` wrote, on every rank (each reads the whole checkpoint; FSDP keeps its own
-    shard of it); returns the data position (step, epoch, batch) to continue from."""
+    shard of it); returns the data position (step, epoch, batch) to continue from. Reads only safetensors and
+    JSON (a legacy `optimizer.pt` under `weights_only=True`, which refuses anything but tensors and plain data)."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
 
-    state = torch.load(path / "optimizer.pt", weights_only=False)
+    if (path / OPTIMIZER_TENSORS).is_file():
+        trainer_state = json.loads((path / TRAINER_STATE).read_text())
+        optimizer_state = join_optimizer_state(load_file(str(path / OPTIMIZER_TENSORS)), trainer_state["optimizer"])
+        scheduler_state = trainer_state["scheduler"]
+    else:
+        try:
+            legacy = torch.load(path / LEGACY_OPTIMIZER, weights_only=True)
+        except Exception as e:  # weights_only refuses code (UnpicklingError), or the file is damaged
+            raise BadTrainingInput(f"{path}/{LEGACY_OPTIMIZER} is not a plain optimizer state ({type(e).__name__}); "
+                                   "it was not loaded: delete that checkpoint to start over") from None
+        optimizer_state, scheduler_state = legacy["optimizer"], legacy["scheduler"]
     set_state_dict(model, optimizer, model_state_dict=load_file(str(path / "drafter.safetensors")),
-                   optim_state_dict=state["optimizer"], options=StateDictOptions(full_state_dict=True))
-    scheduler.load_state_dict(state["scheduler"])
+                   optim_state_dict=optimizer_state, options=StateDictOptions(full_state_dict=True))
+    scheduler.load_state_dict(scheduler_state)
     return json.loads((path / "position.json").read_text())
 
 
-def prune_checkpoints(out: Path, keep: int, upto: str | None = None) -> list[str]:
-    """Delete all but the newest `keep` checkpoints (complete or not): disk stays bounded on long runs.
-    With `upto`, only checkpoints no newer than that one are candidates (newer ones may not be pushed yet)."""
+def prune_checkpoints(out: Path, keep: int, removable: Callable[[str], bool] = lambda name: True) -> list[str]:
+    """Delete all but the newest `keep` checkpoints (complete or not) that `removable` allows: disk stays bounded
+    on long runs. Each is removed as its manifest names its files; one without a manifest (a pull that was
+    killed) is a directory of train's own layout under its own --out, removed whole."""
+    from flashdraft.artifact.ownership import remove_artifact
+
     removed = []
     for path in checkpoint_dirs(out)[max(1, keep) :]:
-        if upto is None or path.name <= upto:
-            shutil.rmtree(path, ignore_errors=True)
+        if removable(path.name):
+            if (path / MANIFEST).is_file():
+                remove_artifact(path)
+            else:
+                shutil.rmtree(path, ignore_errors=True)
             removed.append(path.name)
     return removed
 
 
-def prune_store_checkpoints(push_to: str, keep: int, upto: str) -> list[str]:
+def prune_store_checkpoints(push_to: str, keep: int, upto: str, lineage: Lineage) -> list[str]:
     """`keep_checkpoints` in the store: delete all but the newest `keep` there, called only once checkpoint
-    `upto` verified in the store (so never the newest good one). A checkpoint's manifest is deleted first: what
-    is left of one whose deletion was interrupted never verifies, and is neither resumed from nor kept."""
+    `upto` verified in the store (so never the newest good one), and never one another run made (its manifest's
+    lineage differs). A checkpoint's manifest is deleted first: what is left of one whose deletion was
+    interrupted never verifies, and is neither resumed from nor kept."""
+    from flashdraft.artifact.manifest import parse_manifest
     from flashdraft.artifact.store import open_store
 
     store = open_store(join(push_to, CHECKPOINTS))
@@ -87,6 +146,13 @@ def prune_store_checkpoints(push_to: str, keep: int, upto: str) -> list[str]:
     for name in names[max(1, keep) :]:
         if name > upto:
             continue
+        if f"{name}/{MANIFEST}" in listed:
+            try:
+                theirs = parse_manifest(store.read_bytes(f"{name}/{MANIFEST}") or b"")
+            except ManifestError:
+                continue
+            if not theirs.lineage.same_work(lineage):
+                continue
         keys = [key for key in listed if key.startswith(f"{name}/")]
         for key in sorted(keys, key=lambda k: k != f"{name}/{MANIFEST}"):  # the manifest first
             store.delete(key)
@@ -94,44 +160,92 @@ def prune_store_checkpoints(push_to: str, keep: int, upto: str) -> list[str]:
     return removed
 
 
-class CheckpointShipper:
-    """Pushes each checkpoint to `train.push_to` (verified there) and prunes old ones, locally and in the store,
-    in one background thread so training does not wait on the network. FIFO: after checkpoint N is pushed,
-    every checkpoint up to N has been, so only those are pruned; newer ones may still wait for their push."""
+class PushFailed(ExpectedFailure):
+    """A checkpoint could not be pushed to train.push_to after every attempt: training stops, checkpoints kept."""
 
-    def __init__(self, out: Path, cfg: TrainConfig, log: Callable[[str], None]) -> None:
+
+PUSH_BACKOFF_S = float(os.environ.get("FLASHDRAFT_PUSH_BACKOFF_S", "5"))  # first retry's wait; doubles, ≤ 60 s
+
+
+class CheckpointShipper:
+    """Pushes each checkpoint to `train.push_to` (verified there) and prunes old ones in the store, in one
+    background thread so training does not wait on the network. FIFO: after checkpoint N is pushed, every
+    checkpoint up to N has been, so only those are pruned in the store.
+
+    A failed push is logged when it happens and retried with backoff, up to `train.push_attempts` tries; a
+    checkpoint that still could not be pushed stops training at the next step (`raise_if_failed`) with that
+    reason. Local pruning runs on the training thread, apart from the push queue: it keeps the newest
+    `keep_checkpoints`, every checkpoint not yet pushed, and the newest pushed one."""
+
+    def __init__(self, out: Path, cfg: TrainConfig, log: Callable[[str], None], lineage: Lineage | None = None) -> None:
         from concurrent.futures import ThreadPoolExecutor
 
-        self.out, self.cfg, self.log = out, cfg, log
+        self.out, self.cfg, self.log, self.lineage = out, cfg, log, lineage or Lineage()
         self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint-push")
         self.pending: list = []
+        self.pushed: set[str] = set()  # checkpoints verified in the store (names)
+        self.failure: str | None = None
 
     def _push(self, local: Path, name: str) -> None:
+        """Push and verify, retried with backoff; each failed attempt is logged as it happens."""
         from flashdraft.artifact.store import open_store
         from flashdraft.artifact.sync import push
 
-        self.log(push(local, open_store(join(self.cfg.push_to, name)), log=self.log).line())
+        attempts = self.cfg.push_attempts
+        for attempt in range(1, attempts + 1):
+            try:
+                self.log(push(local, open_store(join(self.cfg.push_to, name)), log=self.log).line())
+                return
+            except (ExpectedFailure, OSError) as e:  # OSError: a local store's disk refused
+                if attempt == attempts:
+                    raise
+                wait = min(60.0, PUSH_BACKOFF_S * 2 ** (attempt - 1))
+                self.log(f"train: push of {name} failed (attempt {attempt} of {attempts}): {e}; retrying in "
+                         f"{wait:.0f} s")
+                time.sleep(wait)
 
     def checkpoint(self, path: Path) -> None:
         def ship() -> None:
-            if self.cfg.push_to:
+            try:
                 self._push(path, f"{CHECKPOINTS}/{path.name}")  # returns once it verified in the store
-                prune_store_checkpoints(self.cfg.push_to, self.cfg.keep_checkpoints, upto=path.name)
-            prune_checkpoints(self.out, self.cfg.keep_checkpoints, upto=path.name)
+                self.pushed.add(path.name)
+                prune_store_checkpoints(self.cfg.push_to, self.cfg.keep_checkpoints, path.name, self.lineage)
+            except (ExpectedFailure, OSError) as e:
+                failed = (f"checkpoint {path.name} could not be pushed to {self.cfg.push_to} after "
+                          f"{self.cfg.push_attempts} attempt(s): {e}")
+                self.log(f"train: {failed}")
+                self.failure = self.failure or failed  # the first one is what stops the run
 
-        self.pending.append(self.pool.submit(ship))
+        if self.cfg.push_to:
+            self.pending.append(self.pool.submit(ship))
+        self.prune_local()
+
+    def prune_local(self) -> None:
+        if not self.cfg.push_to:
+            prune_checkpoints(self.out, self.cfg.keep_checkpoints)
+            return
+        pushed = set(self.pushed)  # a copy: the push thread adds to it
+        newest_pushed = max(pushed, default=None)
+        prune_checkpoints(self.out, self.cfg.keep_checkpoints, lambda name: name in pushed and name != newest_pushed)
+
+    def raise_if_failed(self) -> None:
+        if self.failure is not None:
+            raise PushFailed(f"{self.failure}. Training stopped; the local checkpoints are kept: fix the store "
+                             "(credentials, endpoint, space) and rerun the same command to resume")
 
     def drafter(self, path: Path) -> None:
         if self.cfg.push_to:
             self.pending.append(self.pool.submit(self._push, path, DRAFTER))
 
     def wait(self) -> None:
-        """Block until every push is done; the first failure (e.g. VerifyFailed) is raised here."""
+        """Block until every push is done; a checkpoint or drafter push that failed is raised here."""
         try:
             for future in self.pending:
                 future.result()
         finally:
             self.pool.shutdown(wait=True)
+        self.raise_if_failed()
+        self.prune_local()
 
 
 def latest_checkpoint(out: Path, lineage: Lineage, log: Callable[[str], None]) -> Path | None:
@@ -180,4 +294,23 @@ def other_work(out: Path, lineage: Lineage) -> str | None:
             continue  # absent or incomplete: nothing finished to lose
         if not made.same_work(lineage):
             return f"{path.relative_to(out)}"
+    return None
+
+
+def store_other_work(push_to: str, lineage: Lineage) -> str | None:
+    """A drafter or checkpoint in the store under `push_to` that another run made (None if none): pushing there
+    would replace it, and that run's replacement node would then start over."""
+    from flashdraft.artifact.manifest import parse_manifest
+    from flashdraft.artifact.store import open_store
+
+    store = open_store(push_to)
+    manifests = [key for key in store.list() if key == f"{DRAFTER}/{MANIFEST}" or (
+        key.startswith(f"{CHECKPOINTS}/") and key.endswith(f"/{MANIFEST}") and key.count("/") == 2)]
+    for key in manifests:
+        try:
+            made = parse_manifest(store.read_bytes(key) or b"").lineage
+        except ManifestError:
+            continue  # unreadable: not a finished artifact of anyone's
+        if not made.same_work(lineage):
+            return join(push_to, key.removesuffix(f"/{MANIFEST}"))
     return None

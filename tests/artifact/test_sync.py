@@ -101,7 +101,8 @@ def test_delete_removes_unlisted_remote_files(cli, tmp_path, url, s3env):
     assert last_json(without)["problems"] == [
         {"path": "f0.bin", "problem": "unlisted object: not in the manifest (push with --delete to remove it)"}
     ]
-    assert MANIFEST not in keys(s3env, url)  # an artifact that does not verify has no manifest
+    # refused before anything changed: the pushed artifact is still there, whole, and still verifies
+    assert cli("verify", url, check=True).returncode == 0
     with_delete = cli("sync", "push", str(a), url, "--delete", "--json", check=True)
     assert last_json(with_delete)["deleted"] == 1
     assert set(keys(s3env, url)) == {"sub/f1.bin", "f2.bin", MANIFEST}
