@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from flashdraft.errors import BadInput
 
@@ -96,6 +96,10 @@ class TrainConfig(Section):
     # the loss weight of block position k is exp(−(k−1)/γ); None = the paper's γ for the block size (16: 7,
     # 10: 5, 8: 4). A smaller γ puts the weight on the first positions, which is what a weak drafter's τ rides on.
     loss_decay_gamma: PositiveFloat | None = None
+    # the per-position weight of the cross-entropy: "decay", the paper's fixed exp(−(k−1)/γ), or "dpace", from the
+    # draft's own detached confidence (q̃ = (1 − α)·p + α, weight = the acceptances a position carries; objective.py)
+    loss: Literal["decay", "dpace"] = "decay"
+    dpace_alpha: Annotated[float, Field(gt=0, le=1)] = 0.5
     checkpoint_every: Positive = 200  # optimizer steps; also at every epoch end
     keep_checkpoints: Positive = 3  # newest complete checkpoints kept locally; older ones are deleted
     push_to: str | None = None  # local dir or s3:// URL each checkpoint and the drafter are pushed to, verified
@@ -121,6 +125,13 @@ class TrainConfig(Section):
     device: str | None = None  # drafter device; None: cuda if available, else cpu; "a;b": one per local rank
     target_device: str | None = None  # "cuda:0,cuda:1" spreads the target; "cuda:0;cuda:1" one per local rank
     fsdp: bool = False  # shard the drafter with FSDP instead of DDP under torchrun
+
+    @model_validator(mode="after")
+    def _one_weighting(self) -> TrainConfig:
+        if self.loss == "dpace" and self.loss_decay_gamma is not None:
+            raise ValueError("loss_decay_gamma sets the decay loss's weights; with loss: dpace the weights come from "
+                             "the draft's confidence (dpace_alpha): drop one of them")
+        return self
 
 
 class EvalConfig(Section):

@@ -95,6 +95,18 @@ def tiny_target(tmp_path_factory) -> str:
     return str(path)
 
 
+@pytest.fixture(scope="session")
+def tiny_dataset(tmp_path_factory):
+    """12 random sequences of 40–51 tokens in `tiny_target`'s vocabulary, all but 8 supervised: a dataset artifact."""
+    import torch
+
+    from tests.train.test_train import make_dataset
+
+    g = torch.Generator().manual_seed(1)
+    sequences = [torch.randint(0, 120, (40 + i,), generator=g).tolist() for i in range(12)]
+    return make_dataset(tmp_path_factory.mktemp("ds") / "ds", sequences)
+
+
 # Qwen3.5/3.6's template in the parts that decide the mask: thinking turns render as <think>…</think> ahead of
 # the answer, the generation prompt opens a think block (or, with thinking off, an empty one), <|im_end|> ends
 # a turn. Written from the real template's structure; no network.

@@ -64,15 +64,6 @@ def train_config(path: Path, target: str, **train) -> Path:
     return path
 
 
-@pytest.fixture(scope="module")
-def tiny_dataset(tmp_path_factory) -> Path:
-    from tests.train.test_train import make_dataset
-
-    g = torch.Generator().manual_seed(1)
-    sequences = [torch.randint(0, 120, (40 + i,), generator=g).tolist() for i in range(12)]
-    return make_dataset(tmp_path_factory.mktemp("ds") / "ds", sequences)
-
-
 def test_a_checkpoint_planted_in_the_store_never_runs_code(cli, tmp_path, tiny_target, tiny_dataset):
     config = train_config(tmp_path / "c.yaml", tiny_target, max_steps=4)
     store = tmp_path / "store"
@@ -264,6 +255,21 @@ def test_a_concurrent_tokenize_never_reports_a_dataset_that_does_not_verify(tmp_
         for code, _, stderr in results:
             assert "Traceback" not in stderr
             assert code == 0 or "is in use by `flashdraft tokenize" in stderr
+
+
+def test_two_trainings_on_one_out_never_share_it(tmp_path, tiny_target, tiny_dataset):
+    out = tmp_path / "out"
+    config = train_config(tmp_path / "c.yaml", tiny_target, max_steps=6)
+    procs = [subprocess.Popen([*FLASHDRAFT, "train", "--config", str(config), "--data", str(tiny_dataset), "--out",
+                               str(out)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for _ in range(2)]
+    results = [(p.wait(), *p.communicate()) for p in procs]
+    assert all("Traceback" not in err for _, _, err in results)
+    refused = [err for code, _, err in results if code != 0]
+    assert all("is in use by `flashdraft train" in err for err in refused)
+    steps = [json.loads(m)["step"] for m in (out / "metrics.jsonl").read_text().splitlines() if '"loss"' in m]
+    assert steps == sorted(set(steps)) == list(range(1, 7))  # every metric once: one writer
+    assert verify_dir(out / "drafter") == []
 
 
 # ---------------------------------------------------------------------------------------------- failures

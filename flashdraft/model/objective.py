@@ -114,6 +114,18 @@ def block_masks(anchors: torch.Tensor, block_size: int, context_len: int, window
     return masks
 
 
+@torch.no_grad()
+def dpace_weights(ce_NK: torch.Tensor, supervised_NK: torch.Tensor, alpha: float) -> torch.Tensor:
+    """D-PACE position weights (no gradient), per block over positions k = 1..K−1: p_k = exp(−CE_k), the draft's
+    own probability of the label; q̃_k = (1 − α)·p_k + α (1 where the label is not supervised); prefix_m =
+    Π_{i≤m} q̃_i, how likely decoding still runs at m; w_j = Σ_{m≥j, supervised} prefix_m, the accepted tokens
+    that ride on position j being right. Zero at k = 0 (the anchor) and where not supervised."""
+    q = torch.where(supervised_NK[:, 1:], (1 - alpha) * torch.exp(-ce_NK[:, 1:].float()) + alpha, 1.0)
+    reach = torch.cumprod(q, dim=1) * supervised_NK[:, 1:]  # prefix_m, counted only where m is supervised
+    w = torch.flip(torch.cumsum(torch.flip(reach, [1]), dim=1), [1]) * supervised_NK[:, 1:]
+    return torch.cat([torch.zeros_like(w[:, :1]), w], dim=1)
+
+
 def weighted_loss(logits_SV: torch.Tensor, labels_S: torch.Tensor, weights_S: torch.Tensor) -> torch.Tensor:
     """Cross-entropy weighted by position decay × loss mask, normalised by the weight sum."""
     ce = torch.nn.functional.cross_entropy(logits_SV.float(), labels_S, reduction="none")

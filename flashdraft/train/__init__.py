@@ -30,7 +30,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 
 from flashdraft.artifact.manifest import (
@@ -179,9 +178,10 @@ def _run(cfg: TrainConfig, data: Path, out: Path, require_checkpoint: bool, cons
     shipper.drafter(save_drafter(final, drafter_dir, stats=stats, lineage=lineage, dtype=cfg.export_dtype,
                                  target_lm_head=s.target.lm_head.weight))
     shipper.wait()
-    tau = held["simulated_acceptance_length"]
-    say(f"train: done, verified — {drafter_dir}: {position['step']} steps, held-out simulated τ "
-        + (f"{tau:.2f}" if tau is not None else "– (no held-out sample)"))
+    tau, walked = held["simulated_acceptance_length"], held["serving_acceptance_length"]
+    say(f"train: done, verified — {drafter_dir}: {position['step']} steps, held-out "
+        + (f"serving-walk τ {walked:.2f} (what eval measures; per-anchor simulated τ {tau:.2f})"
+           if walked is not None and tau is not None else "τ – (no held-out sample)"))
     barrier(where.world)
     return stats
 
@@ -311,14 +311,14 @@ def loop(cfg: TrainConfig, s: Setup, position: dict, sinks: MetricSinks, shipper
                 if prefetcher is not None and b + 1 < s.steps_per_epoch and step + 1 < s.total_steps:
                     upcoming = mine[(b + 1) * cfg.batch_size : (b + 2) * cfg.batch_size]
                     pending = (epoch, b + 1, prefetcher.submit(prepare, cfg, s, upcoming, epoch))
-                results = accumulate(cfg, s, plans, len(batch))
+                results, loss = accumulate(cfg, s, plans)
                 torch.nn.utils.clip_grad_norm_(s.drafter.parameters(), cfg.grad_clip)
                 s.optimizer.step()
                 s.scheduler.step()
                 s.optimizer.zero_grad(set_to_none=True)
                 step += 1
                 position = {"step": step, "epoch": epoch, "batch": b + 1}
-                last = step_metrics(step, epoch, results, world, time.perf_counter() - t0, s.scheduler)
+                last = step_metrics(step, epoch, results, loss, world, time.perf_counter() - t0, s.scheduler)
                 sinks.log(last)
                 shipper.raise_if_failed()  # a checkpoint that could not be pushed stops the run now, not at its end
                 update(advance=1, loss=f"{last['loss']:.3f}", tau=f"{last['simulated_acceptance_length']:.2f}",
@@ -380,27 +380,41 @@ def prepare(cfg: TrainConfig, s: Setup, batch: list[int], epoch: int) -> list[Pl
     return plans
 
 
-def accumulate(cfg: TrainConfig, s: Setup, plans: list[Planned], sequences: int) -> list[dict]:
+def accumulate(cfg: TrainConfig, s: Setup, plans: list[Planned]) -> tuple[list[dict], float]:
     """Gradients of one optimizer step, one forward pass per planned micro-batch (DDP syncs on the last one
-    only). The step's loss is the mean of the sequences' own losses, whatever the micro-batch size."""
+    only), and the step's loss. The loss is Σ CE·w / Σ w over every block of the step — all micro-batches and all
+    ranks — so no update depends on how the sequences were split: each micro-batch backpropagates its Σ CE·w,
+    and once the step's weight total is known (summed across ranks) the gradients are divided by it (times the
+    world size, undoing DDP's mean over ranks)."""
     results = []
     for c, plan in enumerate(plans):
         sync = nullcontext() if c == len(plans) - 1 or not hasattr(s.model, "no_sync") else s.model.no_sync()
         with sync:
             done = [r for r in batch_step(s.model, s.target, [], cfg, [], s.where.device, planned=plan) if r]
             if done:
-                (sum(r["loss"] for r in done) / sequences).backward()
+                sum(r["weighted_ce"] for r in done).backward()
             results.extend(done)
-    return results
+    totals = torch.tensor([sum(r["weight"] for r in results), sum(r["weighted_ce"].item() for r in results)],
+                          dtype=torch.float64)
+    if s.where.world > 1:
+        import torch.distributed as dist
+
+        dist.all_reduce(totals)
+    weight, weighted_ce = max(float(totals[0]), 1e-8), float(totals[1])
+    for p in s.drafter.parameters():
+        if p.grad is not None:
+            p.grad.mul_(s.where.world / weight)
+    return results, weighted_ce / weight
 
 
-def step_metrics(step: int, epoch: int, results: list[dict], world: int, seconds: float, scheduler) -> dict:
+def step_metrics(step: int, epoch: int, results: list[dict], loss: float, world: int, seconds: float,
+                 scheduler) -> dict:
     rates = mean_rates([r["rates"] for r in results])
     tokens = sum(r["tokens"] for r in results)
     return {
         "step": step,
         "epoch": epoch,
-        "loss": float(np.mean([r["loss"].item() for r in results])) if results else math.nan,
+        "loss": loss if results else math.nan,
         "accuracy_by_position": json_rates(rates),
         "simulated_acceptance_length": round(expected_acceptance_length(rates), 4),
         "tokens_per_s": round(tokens * world / max(seconds, 1e-9), 1),

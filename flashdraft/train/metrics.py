@@ -54,8 +54,9 @@ class MetricSinks:
             return
         append_jsonl(self.path, record)
         scalars = {k: v for k, v in record.items() if isinstance(v, int | float) and k not in ("step", "epoch")}
-        if "heldout" in record and record["heldout"].get("simulated_acceptance_length") is not None:
-            scalars["heldout_simulated_acceptance_length"] = record["heldout"]["simulated_acceptance_length"]
+        for key in ("simulated_acceptance_length", "serving_acceptance_length"):
+            if "heldout" in record and record["heldout"].get(key) is not None:
+                scalars[f"heldout_{key}"] = record["heldout"][key]
         for name, sink in self.sinks:
             if name == "tensorboard":
                 for key, value in scalars.items():

@@ -15,12 +15,13 @@ import torch
 from flashdraft.config import TrainConfig
 from flashdraft.model.drafter import DFlashDrafter
 from flashdraft.model.objective import (
+    acceptance_length,
     block_masks,
     build_blocks,
+    dpace_weights,
     expected_acceptance_length,
     per_position_accuracy,
     sample_anchors,
-    weighted_loss,
 )
 from flashdraft.model.target import Target
 from flashdraft.train.metrics import json_rates, mean_rates
@@ -127,24 +128,35 @@ def batch_step(model, target: Target, rows: list, cfg: TrainConfig, generators: 
         labels, weights = targets[b]
         n = len(anchors)
         logits = logits_BSV[b, : n * k]
-        loss_weights = weights
+        hard_weights = weights
         if drafter.draft_vocab_size:  # labels into the draft vocabulary; a token outside it cannot be proposed
             labels, inside = drafter.draft_labels(labels)
-            loss_weights = weights * inside
-        loss = weighted_loss(logits, labels.view(-1).clamp(min=0).to(device), loss_weights.view(-1).to(device))
+            hard_weights = weights * inside
+        ce = torch.nn.functional.cross_entropy(logits.float(), labels.view(-1).clamp(min=0).to(device),
+                                               reduction="none")
+        if cfg.loss == "dpace":  # the weights follow the draft's own (detached) confidence in each label
+            weights = hard_weights = dpace_weights(ce.view(n, k), (hard_weights > 0).to(device),
+                                                   cfg.dpace_alpha).to(weights.dtype).cpu()
+        weights_S, hard_S = weights.reshape(-1).to(device), hard_weights.reshape(-1).to(device)
+        weighted_ce = (ce * hard_S).sum()
         if plan.teachers is not None and cfg.distill_weight > 0:
-            soft = distill_loss(drafter, logits, plan.teachers[b], anchors, k, weights)
-            loss = (1 - cfg.distill_weight) * loss + cfg.distill_weight * soft
+            soft_ce = distill_ce(drafter, logits, plan.teachers[b], anchors, k)
+            weighted_ce = (1 - cfg.distill_weight) * weighted_ce + cfg.distill_weight * (soft_ce * weights_S).sum()
         with torch.no_grad():
             rates = per_position_accuracy(logits.view(n, k, -1).cpu(), labels, weights)
-        results[i] = {"loss": loss, "rates": rates, "tokens": int(ids_T.shape[0]), "anchors": n}
+            accepted = accepted_drafts(logits.view(n, k, -1).cpu(), labels, weights)
+        weight = float(weights_S.sum())
+        # `weighted_ce` and `weight` are summed over the whole optimizer step before dividing (train.accumulate);
+        # `loss` is this sequence's own ratio, for tests and benchmarks that step one sequence.
+        results[i] = {"loss": weighted_ce / max(weight, 1e-8), "weighted_ce": weighted_ce, "weight": weight,
+                      "rates": rates, "accepted": accepted, "tokens": int(ids_T.shape[0]), "anchors": n}
     return results
 
 
-def distill_loss(drafter: DFlashDrafter, logits_SV: torch.Tensor, teacher: tuple, anchors_N: torch.Tensor, k: int,
-                 weights_NK: torch.Tensor) -> torch.Tensor:
-    """Cross-entropy against the target's own next-token distribution (its top-k, renormalised over the tokens
-    the drafter can propose), weighted like the hard labels. Block position j of the block at anchor a predicts
+def distill_ce(drafter: DFlashDrafter, logits_SV: torch.Tensor, teacher: tuple, anchors_N: torch.Tensor,
+               k: int) -> torch.Tensor:
+    """Per block position (S): cross-entropy against the target's own next-token distribution (its top-k,
+    renormalised over the tokens the drafter can propose). Block position j of the block at anchor a predicts
     the token at a + j: the target's distribution for it is the one after position a + j − 1."""
     teacher_ids, teacher_logprobs = teacher
     before = (anchors_N[:, None] + torch.arange(k)[None, :] - 1).clamp(min=0).view(-1)  # S
@@ -154,9 +166,7 @@ def distill_loss(drafter: DFlashDrafter, logits_SV: torch.Tensor, teacher: tuple
         logprobs = logprobs.masked_fill(~inside, float("-inf"))
     probs = torch.softmax(logprobs, dim=-1).nan_to_num(0.0).to(logits_SV.device)  # no token inside: no mass
     student = torch.log_softmax(logits_SV.float(), dim=-1).gather(1, ids.clamp(min=0).to(logits_SV.device))
-    ce = -(probs * student).sum(-1)
-    w = weights_NK.reshape(-1).to(ce.device)
-    return (ce * w).sum() / w.sum().clamp(min=1e-8)
+    return -(probs * student).sum(-1)
 
 
 def _padded(features_CF: torch.Tensor, length: int) -> torch.Tensor:
@@ -164,22 +174,74 @@ def _padded(features_CF: torch.Tensor, length: int) -> torch.Tensor:
     return features_CF if pad == 0 else torch.cat([features_CF, features_CF.new_zeros(pad, features_CF.shape[1])])
 
 
+def accepted_drafts(logits_NKV, labels_NK, weights_NK) -> list[int]:
+    """Per block: how many drafts greedy verification would accept — the leading block positions 1..K−1 whose
+    argmax is the label, stopping at the first wrong one or the first label that is not supervised."""
+    good = (logits_NKV.argmax(-1) == labels_NK) & (weights_NK > 0)
+    return good[:, 1:].int().cumprod(dim=1).sum(dim=1).tolist()
+
+
+@torch.no_grad()
+def serving_walk(model, target: Target, ids_T, mask_T, cfg: TrainConfig, device,
+                 features_TF: torch.Tensor | None = None) -> list[int]:
+    """Drafts accepted at each block as speculative decoding walks this sequence: a block at the first
+    supervised position, accept the longest prefix of drafts equal to the sequence's tokens, the bonus token,
+    the next block right after it (a new supervised span starts a new walk; a block at a span's last token, the
+    end of the turn, is not one decoding runs). On a sequence that is the target's
+    own greedy output this is what `flashdraft eval` measures, without decoding: every block's drafts depend
+    only on the context before it, so all candidate blocks are scored in passes of `max_anchors` and then walked.
+    Labels past the sequence's end count as not accepted (eval would compare them with the target's own
+    continuation, which the data does not hold)."""
+    drafter: DFlashDrafter = getattr(model, "module", model)
+    k = drafter.block_size
+    ids_T, mask_T = torch.as_tensor(ids_T[: cfg.max_length]).long(), torch.as_tensor(mask_T[: cfg.max_length])
+    # Room for a last block that runs past the end: its labels there are unsupervised, so never accepted.
+    ids_pad = torch.cat([ids_T, ids_T.new_zeros(k - 1)])
+    mask_pad = torch.cat([mask_T, mask_T.new_zeros(k - 1)])
+    # An anchor with a supervised token after it: at a span's last token (the end of the turn) decoding stops.
+    candidates = torch.nonzero(mask_T[:-1].bool() & mask_T[1:].bool(), as_tuple=True)[0]
+    if not len(candidates):
+        return []
+    if features_TF is None:
+        features_TF = target.features(ids_T[None, : int(candidates.max())])[0]
+    accepted: dict[int, int] = {}
+    for chunk in candidates.split(cfg.max_anchors):
+        context_len = int(chunk.max())
+        plan = Planned(1, [(0, ids_pad, mask_pad, chunk)], context_len,
+                       _padded(features_TF[:context_len], context_len)[None])
+        result = batch_step(model, target, [], cfg, [], device, planned=plan)[0]
+        accepted.update(zip(chunk.tolist(), result["accepted"], strict=True))
+    walk, starts = [], sorted(accepted)
+    position = starts[0]
+    while position is not None:
+        walk.append(accepted[position])
+        after = position + accepted[position] + 1  # where the bonus token sits: the next block's anchor
+        position = after if after in accepted else next((p for p in starts if p > after), None)
+    return walk
+
+
 @torch.no_grad()
 def evaluate_heldout(model, target: Target, dataset, indices, cfg: TrainConfig, device, cache=None) -> dict[str, Any]:
-    """Per-position accuracy and simulated τ on held-out samples, with fixed anchors."""
+    """On held-out samples: per-position accuracy and the simulated τ they imply at fixed random anchors (the
+    per-anchor view training has always reported), and the serving-walk τ (`serving_walk`), which is what
+    serving measures: a walk restarts after every accepted prefix, so it meets the drafter's hard positions
+    more often than random anchors do."""
     model.eval()
-    rows = []
+    rows, walked = [], []
     for index in indices:
         row = dataset[index]
+        features = None if cache is None else cache[index]
         result = sequence_step(model, target, row["input_ids"], row["loss_mask"], cfg,
-                               torch.Generator().manual_seed(index), device,
-                               None if cache is None else cache[index])
+                               torch.Generator().manual_seed(index), device, features)
         if result is not None:
             rows.append(result["rates"])
+        walked.extend(serving_walk(model, target, row["input_ids"], row["loss_mask"], cfg, device, features))
     model.train()
     rates = mean_rates(rows)
     return {
         "samples": len(rows),
         "accuracy_by_position": json_rates(rates),
         "simulated_acceptance_length": round(expected_acceptance_length(rates), 4) if rows else None,
+        "serving_acceptance_length": round(acceptance_length(walked), 4) if walked else None,
+        "serving_blocks": len(walked),
     }

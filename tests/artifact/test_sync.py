@@ -343,3 +343,32 @@ def test_noop_resync_costs_one_listing_and_still_sees_overwrites(tmp_path, url, 
 
 def list_remote_problems(url):
     return verify_store(open_store(url), deep=True)
+
+
+def test_a_store_that_returns_no_checksum_is_named_as_such(tmp_path):
+    """Some S3-compatible stores keep no checksum for an object: verify says that, not "content differs"."""
+    from flashdraft.artifact.store import LocalStore, Remote
+    from flashdraft.artifact.sync import check_objects
+
+    class NoChecksumStore(LocalStore):  # a real local store whose heads carry sizes only
+        def head(self, rel):
+            found = super().head(rel)
+            return None if found is None else Remote(found.size)
+
+    a = make_artifact(tmp_path / "a", sizes=(100,))
+    dst = tmp_path / "dst"
+    push(a, LocalStore(dst), log=lambda s: None)
+    problems = check_objects(NoChecksumStore(dst), read_manifest(a), jobs=1)
+    assert [p.path for p in problems] == ["f0.bin"] and "returned no checksum" in problems[0].problem
+
+
+def test_of_two_writers_to_one_local_store_the_later_fails(tmp_path):
+    from flashdraft.artifact.store import LocalStore
+
+    a = make_artifact(tmp_path / "a", sizes=(100,))
+    store = LocalStore(tmp_path / "dst")
+    push(a, store, log=lambda s: None)
+    store.put_manifest((a / MANIFEST).read_bytes())  # the same bytes again: fine
+    with pytest.raises(StoreError, match="another writer committed a different manifest"):
+        store.put_manifest(b'{"format": 1}')
+    assert (tmp_path / "dst" / MANIFEST).read_bytes() == (a / MANIFEST).read_bytes()

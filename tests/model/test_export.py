@@ -1,5 +1,6 @@
 """The z-lab export format, written and read back."""
 
+import hashlib
 import json
 from pathlib import Path
 
@@ -9,7 +10,7 @@ from safetensors.torch import load_file
 
 from flashdraft.artifact.manifest import read_manifest
 from flashdraft.model.drafter import DFlashDrafter, draft_config
-from flashdraft.model.export import load_drafter, save_drafter
+from flashdraft.model.export import MODELING_FILE, load_drafter, save_drafter
 from flashdraft.model.objective import block_masks
 
 
@@ -33,7 +34,12 @@ def test_export_round_trip(tiny_target, tmp_path, dtype):
     assert {"fc.weight", "hidden_norm.weight", "norm.weight", "layers.1.self_attn.k_norm.weight"} <= set(weights)
     assert not any("embed" in n or "lm_head" in n or "rotary" in n for n in weights)
     assert {t.dtype for t in weights.values()} == {getattr(torch, dtype)}
-    assert read_manifest(tmp_path / "drafter").kind == "drafter"
+    manifest = read_manifest(tmp_path / "drafter")
+    assert manifest.kind == "drafter"
+    # the code trust_remote_code would run is the package's own file, and the manifest pins its bytes
+    shipped = (tmp_path / "drafter" / MODELING_FILE.name).read_bytes()
+    assert shipped == MODELING_FILE.read_bytes()
+    assert {e.path: e.sha256 for e in manifest.files}[MODELING_FILE.name] == hashlib.sha256(shipped).hexdigest()
     loaded = load_drafter(tmp_path / "drafter")
     for (name, a), (_, b) in zip(drafter.state_dict().items(), loaded.state_dict().items(), strict=True):
         assert torch.equal(a.to(getattr(torch, dtype)).float(), b), name  # exact at the exported precision

@@ -151,3 +151,23 @@ def test_target_layer_ids_default():
     assert uniform_layer_ids(36, 5) == [1, 9, 17, 25, 33]
 
 
+
+
+def test_dpace_weights_equal_the_formula_written_as_loops():
+    from flashdraft.model.objective import dpace_weights
+
+    g = torch.Generator().manual_seed(0)
+    ce = torch.rand(6, 8, generator=g) * 3
+    supervised = torch.rand(6, 8, generator=g) > 0.25
+    for alpha in (0.3, 0.5, 1.0):
+        got = dpace_weights(ce, supervised, alpha)
+        for n in range(6):
+            q = [1.0] + [(1 - alpha) * math.exp(-ce[n, k].item()) + alpha if supervised[n, k] else 1.0
+                         for k in range(1, 8)]
+            prefix = [math.prod(q[1 : m + 1]) for m in range(8)]
+            for j in range(8):
+                want = 0.0 if j == 0 or not supervised[n, j] else sum(
+                    prefix[m] for m in range(j, 8) if supervised[n, m])
+                assert got[n, j].item() == pytest.approx(want, rel=1e-6, abs=1e-7), (alpha, n, j)
+    # α = 1: every q̃ is 1, so w_j counts the supervised positions from j on (a confident and an unsure draft alike)
+    assert dpace_weights(ce[:1], torch.ones(1, 8, dtype=torch.bool), 1.0).tolist() == [[0, 7, 6, 5, 4, 3, 2, 1]]

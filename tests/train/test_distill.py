@@ -11,10 +11,10 @@ from flashdraft.train import BadTrainingInput, run
 from flashdraft.train.feature_cache import FeatureCache, feature_bytes
 from flashdraft.train.step import batch_step, plan_batch
 
-from .test_train import quiet, tiny_cfg, tiny_dataset  # noqa: F401 (a fixture)
+from .test_train import quiet, tiny_cfg
 
 
-def test_the_cache_keeps_the_targets_top_k_and_a_new_k_rebuilds_it(tiny_target, tiny_dataset, tmp_path):  # noqa: F811
+def test_the_cache_keeps_the_targets_top_k_and_a_new_k_rebuilds_it(tiny_target, tiny_dataset, tmp_path):
     lines = []
     run(tiny_cfg(tiny_target, max_steps=4, features="offline", distill_topk=5), tiny_dataset, tmp_path / "a",
         log=lines.append)
@@ -45,7 +45,7 @@ def test_the_cache_keeps_the_targets_top_k_and_a_new_k_rebuilds_it(tiny_target, 
     assert read_manifest(tmp_path / "b" / "features").lineage != read_manifest(tmp_path / "a" / "features").lineage
 
 
-def test_a_bfloat16_target_caches_its_own_features_and_is_not_taken_for_float32(tiny_target, tiny_dataset,  # noqa: F811
+def test_a_bfloat16_target_caches_its_own_features_and_is_not_taken_for_float32(tiny_target, tiny_dataset,
                                                                                    tmp_path):
     run(tiny_cfg(tiny_target, max_steps=2, features="offline", target_dtype="bfloat16"), tiny_dataset,
         tmp_path / "bf16", log=quiet)
@@ -68,7 +68,7 @@ def test_a_bfloat16_target_caches_its_own_features_and_is_not_taken_for_float32(
     assert len(lineages) == 2  # a float32 run does not reuse a bfloat16 cache, nor the other way
 
 
-def test_distillation_needs_the_offline_cache(tiny_target, tiny_dataset, tmp_path):  # noqa: F811
+def test_distillation_needs_the_offline_cache(tiny_target, tiny_dataset, tmp_path):
     with pytest.raises(BadTrainingInput, match="offline feature cache"):
         run(tiny_cfg(tiny_target, max_steps=2, distill_topk=4), tiny_dataset, tmp_path / "out", log=quiet)
 

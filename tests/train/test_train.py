@@ -29,11 +29,11 @@ from flashdraft.train.step import sequence_step
 VOCAB = 128
 
 
-def make_dataset(path: Path, sequences: list[list[int]], prompt_len: int = 8) -> Path:
+def make_dataset(path: Path, sequences: list[list[int]], prompt_len: int = 8, ids: list[str] | None = None) -> Path:
     from datasets import Dataset
 
     rows = {
-        "id": [str(i) for i in range(len(sequences))],
+        "id": ids or [str(i) for i in range(len(sequences))],
         "input_ids": sequences,
         "loss_mask": [[0] * prompt_len + [1] * (len(s) - prompt_len) for s in sequences],
         "num_tokens": [len(s) for s in sequences],
@@ -41,13 +41,6 @@ def make_dataset(path: Path, sequences: list[list[int]], prompt_len: int = 8) ->
     Dataset.from_dict(rows).save_to_disk(str(path))
     write_manifest(path, build_manifest(path, kind="dataset"))
     return path
-
-
-@pytest.fixture(scope="module")
-def tiny_dataset(tmp_path_factory) -> Path:
-    g = torch.Generator().manual_seed(1)
-    sequences = [torch.randint(0, 120, (40 + i,), generator=g).tolist() for i in range(12)]
-    return make_dataset(tmp_path_factory.mktemp("ds") / "ds", sequences)
 
 
 def tiny_cfg(target: str, **kw) -> TrainConfig:
