@@ -100,6 +100,11 @@ class TrainConfig(Section):
     # draft's own detached confidence (q̃ = (1 − α)·p + α, weight = the acceptances a position carries; objective.py)
     loss: Literal["decay", "dpace"] = "decay"
     dpace_alpha: Annotated[float, Field(gt=0, le=1)] = 0.5
+    # "muon": Muon (torch.optim.Muon) for the drafter's 2-D weight matrices, AdamW (lr, weight_decay) for the rest
+    optimizer: Literal["adamw", "muon"] = "adamw"
+    muon_lr: PositiveFloat | None = None  # None: 10 × lr
+    muon_momentum: Fraction = 0.95
+    muon_weight_decay: NonNegativeFloat = 0.1
     checkpoint_every: Positive = 200  # optimizer steps; also at every epoch end
     keep_checkpoints: Positive = 3  # newest complete checkpoints kept locally; older ones are deleted
     push_to: str | None = None  # local dir or s3:// URL each checkpoint and the drafter are pushed to, verified
@@ -128,6 +133,9 @@ class TrainConfig(Section):
 
     @model_validator(mode="after")
     def _one_weighting(self) -> TrainConfig:
+        if self.optimizer == "muon" and self.fsdp:  # torch's Muon has no sharded (DTensor) path of its own
+            raise ValueError("optimizer: muon with fsdp: true is not verified (Muon orthogonalises whole matrices; "
+                             "FSDP holds shards of them): use DDP (fsdp: false) or optimizer: adamw")
         if self.loss == "dpace" and self.loss_decay_gamma is not None:
             raise ValueError("loss_decay_gamma sets the decay loss's weights; with loss: dpace the weights come from "
                              "the draft's confidence (dpace_alpha): drop one of them")

@@ -70,6 +70,7 @@ from flashdraft.train.data import (
 )
 from flashdraft.train.distributed import Placement, barrier, place, wrap
 from flashdraft.train.metrics import MetricSinks, json_rates, mean_rates, truncate_metrics
+from flashdraft.train.optim import Optimizers, build_optimizers
 from flashdraft.train.step import Planned, batch_step, evaluate_heldout, plan_batch
 
 __all__ = ["BadTrainingInput", "run"]
@@ -147,7 +148,7 @@ def _run(cfg: TrainConfig, data: Path, out: Path, require_checkpoint: bool, cons
     s = setup(cfg, data, out, target_path, where, console, say)
     position = {"step": 0, "epoch": 0, "batch": 0}
     if resume is not None:
-        position = load_checkpoint(resume, s.model, s.optimizer, s.scheduler)
+        position = load_checkpoint(resume, s.model, s.optimizers)
         say(f"train: resuming from {resume.name} (step {position['step']}, epoch {position['epoch']})")
     if where.rank == 0:
         truncate_metrics(out / "metrics.jsonl", position["step"])
@@ -212,16 +213,13 @@ class Setup:
     heldout_ids: list[int]
     drafter: DFlashDrafter
     model: torch.nn.Module  # the drafter, wrapped for DDP/FSDP under torchrun
-    optimizer: torch.optim.Optimizer
-    scheduler: Any
+    optimizers: Optimizers  # AdamW, or Muon + AdamW (train.optimizer), with their schedules
     cache: Any  # FeatureCache (offline features) or None (the target runs in each step)
     steps_per_epoch: int
     total_steps: int
 
 
 def setup(cfg: TrainConfig, data: Path, out: Path, target_path: str, where: Placement, console, say) -> Setup:
-    from transformers import get_cosine_schedule_with_warmup
-
     target = Target(target_path, where.target_device, say, cfg.target_dtype)
     imported = import_drafter(cfg.init_from, target.config, say) if cfg.init_from else None
     block_size = imported.block_size if imported is not None else cfg.block_size
@@ -249,11 +247,10 @@ def setup(cfg: TrainConfig, data: Path, out: Path, target_path: str, where: Plac
 
         cache = offline_features(cfg, data, out, target, target_path, dataset, where, console, say)
     model = wrap(drafter, cfg, where.world, where.device)
-    optimizer = torch.optim.AdamW(drafter.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
     steps_per_epoch = max(1, len(train_ids) // where.world // cfg.batch_size)
     total_steps = cfg.max_steps or cfg.epochs * steps_per_epoch
-    scheduler = get_cosine_schedule_with_warmup(optimizer, math.ceil(cfg.warmup_ratio * total_steps), total_steps)
-    return Setup(where, target, dataset, train_ids, heldout_ids, drafter, model, optimizer, scheduler, cache,
+    optimizers = build_optimizers(cfg, drafter, total_steps)
+    return Setup(where, target, dataset, train_ids, heldout_ids, drafter, model, optimizers, cache,
                  steps_per_epoch, total_steps)
 
 
@@ -313,12 +310,11 @@ def loop(cfg: TrainConfig, s: Setup, position: dict, sinks: MetricSinks, shipper
                     pending = (epoch, b + 1, prefetcher.submit(prepare, cfg, s, upcoming, epoch))
                 results, loss = accumulate(cfg, s, plans)
                 torch.nn.utils.clip_grad_norm_(s.drafter.parameters(), cfg.grad_clip)
-                s.optimizer.step()
-                s.scheduler.step()
-                s.optimizer.zero_grad(set_to_none=True)
+                s.optimizers.step()  # and their schedules
+                s.optimizers.zero_grad()
                 step += 1
                 position = {"step": step, "epoch": epoch, "batch": b + 1}
-                last = step_metrics(step, epoch, results, loss, world, time.perf_counter() - t0, s.scheduler)
+                last = step_metrics(step, epoch, results, loss, world, time.perf_counter() - t0, s.optimizers)
                 sinks.log(last)
                 shipper.raise_if_failed()  # a checkpoint that could not be pushed stops the run now, not at its end
                 update(advance=1, loss=f"{last['loss']:.3f}", tau=f"{last['simulated_acceptance_length']:.2f}",
@@ -331,9 +327,9 @@ def loop(cfg: TrainConfig, s: Setup, position: dict, sinks: MetricSinks, shipper
                         pending[2].result()  # the target is free again before held-out evaluation uses it
                     held = evaluate_heldout(s.model, s.target, s.dataset, s.heldout_ids, cfg, device, s.cache)
                     sinks.log({"step": step, "heldout": held})
-                    state = full_state(s.model, s.optimizer)  # every rank: FSDP gathers its shards
+                    state = full_state(s.model, s.optimizers)  # every rank: FSDP gathers its shards
                     if rank == 0:
-                        saved = save_checkpoint(out, step, state, s.scheduler, position, lineage)
+                        saved = save_checkpoint(out, step, state, s.optimizers, position, lineage)
                         shipper.checkpoint(saved)
                     barrier(world)
             else:
@@ -408,7 +404,7 @@ def accumulate(cfg: TrainConfig, s: Setup, plans: list[Planned]) -> tuple[list[d
 
 
 def step_metrics(step: int, epoch: int, results: list[dict], loss: float, world: int, seconds: float,
-                 scheduler) -> dict:
+                 optimizers: Optimizers) -> dict:
     rates = mean_rates([r["rates"] for r in results])
     tokens = sum(r["tokens"] for r in results)
     return {
@@ -418,5 +414,5 @@ def step_metrics(step: int, epoch: int, results: list[dict], loss: float, world:
         "accuracy_by_position": json_rates(rates),
         "simulated_acceptance_length": round(expected_acceptance_length(rates), 4),
         "tokens_per_s": round(tokens * world / max(seconds, 1e-9), 1),
-        "lr": scheduler.get_last_lr()[0],
+        "lr": optimizers.last_lr(),
     }

@@ -37,14 +37,14 @@ def checkpoint_dirs(out: Path) -> list[Path]:
     return sorted(root.glob("step-*"), reverse=True) if root.is_dir() else []
 
 
-def full_state(model, optimizer) -> tuple[dict, dict]:
+def full_state(model, optimizers) -> tuple[dict, dict]:
     """The whole drafter's weights and optimizer state, on CPU, keyed by parameter name. Under FSDP they are
     gathered from every rank's shards: a collective, so every rank calls it, and rank 0 gets the result (the
     others get empty dicts). The same call serves DDP and a single process, so a checkpoint reads the same
     whichever way it was written."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
-    return get_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    return get_state_dict(model, optimizers.all, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 
 
 OPTIMIZER_TENSORS = "optimizer.safetensors"  # per-parameter optimizer state, keyed "<param name>/<state key>"
@@ -73,14 +73,14 @@ def join_optimizer_state(tensors: dict[str, torch.Tensor], plain: dict) -> dict:
     return {"state": state, "param_groups": plain["param_groups"]}
 
 
-def save_checkpoint(out: Path, step: int, state: tuple[dict, dict], scheduler, position: dict,
+def save_checkpoint(out: Path, step: int, state: tuple[dict, dict], optimizers, position: dict,
                     lineage: Lineage) -> Path:
     """A checkpoint is an artifact: weights, optimizer + scheduler, data position; committed in one rename.
     `state`: what `full_state` returned (on rank 0, which alone writes)."""
     final = out / CHECKPOINTS / f"step-{step:07d}"
     weights, optimizer_state = state
     optimizer_tensors, optimizer_plain = split_optimizer_state(optimizer_state)
-    trainer_state = {"optimizer": optimizer_plain, "scheduler": scheduler.state_dict()}
+    trainer_state = {"optimizer": optimizer_plain, "scheduler": optimizers.schedule_state()}
     if final.is_dir() and not (final / MANIFEST).is_file():  # what a killed pull left in train's own layout
         shutil.rmtree(final)
     with commit_dir(final, "checkpoint", stats=position, lineage=lineage) as tmp:
@@ -91,7 +91,7 @@ def save_checkpoint(out: Path, step: int, state: tuple[dict, dict], scheduler, p
     return final
 
 
-def load_checkpoint(path: Path, model, optimizer, scheduler) -> dict:
+def load_checkpoint(path: Path, model, optimizers) -> dict:
     """Restore what `save_checkpoint` wrote, on every rank (each reads the whole checkpoint; FSDP keeps its own
     shard of it); returns the data position (step, epoch, batch) to continue from. Reads only safetensors and
     JSON (a legacy `optimizer.pt` under `weights_only=True`, which refuses anything but tensors and plain data)."""
@@ -108,9 +108,9 @@ def load_checkpoint(path: Path, model, optimizer, scheduler) -> dict:
             raise BadTrainingInput(f"{path}/{LEGACY_OPTIMIZER} is not a plain optimizer state ({type(e).__name__}); "
                                    "it was not loaded: delete that checkpoint to start over") from None
         optimizer_state, scheduler_state = legacy["optimizer"], legacy["scheduler"]
-    set_state_dict(model, optimizer, model_state_dict=load_file(str(path / "drafter.safetensors")),
+    optimizers.load_schedule_state(scheduler_state)  # first: a mismatch is refused before any state changes
+    set_state_dict(model, optimizers.all, model_state_dict=load_file(str(path / "drafter.safetensors")),
                    optim_state_dict=optimizer_state, options=StateDictOptions(full_state_dict=True))
-    scheduler.load_state_dict(scheduler_state)
     return json.loads((path / "position.json").read_text())
 
 

@@ -239,8 +239,10 @@ def write_config(path: Path, target: str, **train) -> Path:
     return path
 
 
-def test_killed_run_resumes_to_the_same_loss_curve_and_weights(cli, tiny_target, tiny_dataset, tmp_path):
-    config = write_config(tmp_path / "c.yaml", tiny_target, batch_size=1, epochs=2, checkpoint_every=2)
+@pytest.mark.parametrize("optimizer", ["adamw", "muon"])
+def test_killed_run_resumes_to_the_same_loss_curve_and_weights(cli, tiny_target, tiny_dataset, tmp_path, optimizer):
+    config = write_config(tmp_path / "c.yaml", tiny_target, batch_size=1, epochs=2, checkpoint_every=2,
+                          optimizer=optimizer)
     straight = tmp_path / "straight"
     cli("train", "--config", str(config), "--data", str(tiny_dataset), "--out", str(straight), check=True)
 
