@@ -100,6 +100,9 @@ class TrainConfig(Section):
     # draft's own detached confidence (q̃ = (1 − α)·p + α, weight = the acceptances a position carries; objective.py)
     loss: Literal["decay", "dpace"] = "decay"
     dpace_alpha: Annotated[float, Field(gt=0, le=1)] = 0.5
+    # the labels: the dataset's tokens, or the target's own greedy token at each position (its LM head after the
+    # position before); the two differ wherever the data was sampled at T > 0 or written by someone else
+    labels: Literal["data", "target"] = "data"
     # "muon": Muon (torch.optim.Muon) for the drafter's 2-D weight matrices, AdamW (lr, weight_decay) for the rest
     optimizer: Literal["adamw", "muon"] = "adamw"
     muon_lr: PositiveFloat | None = None  # None: 10 × lr
@@ -136,6 +139,9 @@ class TrainConfig(Section):
         if self.optimizer == "muon" and self.fsdp:  # torch's Muon has no sharded (DTensor) path of its own
             raise ValueError("optimizer: muon with fsdp: true is not verified (Muon orthogonalises whole matrices; "
                              "FSDP holds shards of them): use DDP (fsdp: false) or optimizer: adamw")
+        if self.labels == "target" and self.features == "offline" and not self.distill_topk:
+            raise ValueError("labels: target with features: offline reads the target's argmax from the cache's "
+                             "top-k: set distill_topk ≥ 1 (and distill_weight: 0 for the hard labels only)")
         if self.loss == "dpace" and self.loss_decay_gamma is not None:
             raise ValueError("loss_decay_gamma sets the decay loss's weights; with loss: dpace the weights come from "
                              "the draft's confidence (dpace_alpha): drop one of them")

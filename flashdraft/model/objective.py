@@ -33,14 +33,16 @@ def sample_anchors(loss_mask_T: torch.Tensor, block_size: int, max_anchors: int,
 
 
 def build_blocks(input_ids_T, loss_mask_T, anchors_N, block_size: int, mask_token_id: int,
-                 gamma: float | None = None):
+                 gamma: float | None = None, label_ids_T=None):
     """(block_ids_NK, positions_NK, labels_NK, label_weight_NK). Weights are 0 at k = 0 and where the label
-    token is not supervised; elsewhere exp(−(k−1)/γ), γ the paper's for the block size unless given."""
+    token is not supervised; elsewhere exp(−(k−1)/γ), γ the paper's for the block size unless given. Labels are
+    the sequence's own tokens, or `label_ids_T` (the target's greedy token at each position, train.labels)."""
     k = torch.arange(block_size)
     positions = anchors_N[:, None] + k[None, :]
     block_ids = torch.full_like(positions, mask_token_id)
     block_ids[:, 0] = input_ids_T[anchors_N]
-    labels = input_ids_T[positions]  # same position: block position k predicts the token at anchor + k
+    # same position: block position k predicts the token at anchor + k
+    labels = (input_ids_T if label_ids_T is None else torch.as_tensor(label_ids_T).to(input_ids_T))[positions]
     decay = torch.exp(-(k.float() - 1).clamp(min=0) / (gamma or loss_gamma(block_size)))
     decay[0] = 0.0  # the anchor is given, not predicted
     weights = decay[None, :] * loss_mask_T[positions].float()

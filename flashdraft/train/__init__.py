@@ -93,7 +93,8 @@ def run(
     if int(os.environ.get("RANK", "0")) != 0:
         return _run(cfg, Path(data), out, require_checkpoint, console, log)
     with output_lock(out):
-        adopt(out, "train", made_before_markers=(out / CHECKPOINTS).is_dir() or (out / DRAFTER).is_dir())
+        made = any((out / name).is_dir() for name in (CHECKPOINTS, DRAFTER, "features"))  # train's own layout
+        adopt(out, "train", made_before_markers=made)
         claim_output(out, "train", mark=True)  # refuses a directory that is not a train output
         return _run(cfg, Path(data), out, require_checkpoint, console, log)
 

@@ -32,9 +32,9 @@ warnings.filterwarnings("ignore", message="Mismatch dtype between input and weig
 
 
 def sequence_step(model, target: Target, ids_T, mask_T, cfg: TrainConfig, generator, device,
-                  features_TF: torch.Tensor | None = None) -> dict | None:
+                  features_TF: torch.Tensor | None = None, teacher: tuple | None = None) -> dict | None:
     """Loss (with grad) and accuracy stats of all blocks of one sequence; None if it has no anchor."""
-    return batch_step(model, target, [(ids_T, mask_T)], cfg, [generator], device, [features_TF])[0]
+    return batch_step(model, target, [(ids_T, mask_T)], cfg, [generator], device, [features_TF], teachers=[teacher])[0]
 
 
 @dataclass
@@ -47,6 +47,7 @@ class Planned:
     context_len: int
     features_BCF: torch.Tensor | None
     teachers: list | None = None  # per live sequence: the target's top-k (ids, log-probs) after each position
+    labels: list | None = None  # per live sequence (train.labels: target): the target's argmax at each position
 
 
 def plan_batch(target: Target, rows: list, cfg: TrainConfig, generators: list, block_size: int,
@@ -64,24 +65,49 @@ def plan_batch(target: Target, rows: list, cfg: TrainConfig, generators: list, b
         return Planned(len(rows), [], 0, None)
     context_len = max(int(anchors.max()) for *_, anchors in live)  # no block sees a position at or after its anchor
     online = features is None or features[live[0][0]] is None
+    want_labels = cfg.labels == "target"
+    # Target labels reach K − 1 positions past the last anchor; features are needed only before it.
+    reach = context_len + (block_size - 1 if want_labels else 0)
+    labels = None
     if online and target.lm_head.weight.is_cuda:
-        ids_BC = torch.zeros(len(live), context_len, dtype=torch.long)
+        ids_BC = torch.zeros(len(live), reach, dtype=torch.long)
         for b, (_, ids_T, _, _) in enumerate(live):
-            ids_BC[b, : min(context_len, len(ids_T))] = ids_T[:context_len]
-        features_BCF = target.features(ids_BC)
+            ids_BC[b, : min(reach, len(ids_T))] = ids_T[:reach]
+        features_BCF, labels_BC = target_pass(target, ids_BC, context_len, want_labels)
+        labels = None if labels_BC is None else [labels_BC[b] for b in range(len(live))]
     elif online:
         # On CPU the target is compute-bound and a padded batch is slower than its sequences one by one
         # (measured: 4 × ~2,000 tokens of SmolLM2, 15.9 s batched vs 12.7 s apart), so each runs alone.
-        features_BCF = torch.stack([_padded(target.features(ids_T[None, : int(anchors.max())])[0], context_len)
-                                    for _, ids_T, _, anchors in live])
+        passes = [target_pass(target, ids_T[None, : int(anchors.max()) + reach - context_len], int(anchors.max()),
+                              want_labels) for _, ids_T, _, anchors in live]
+        features_BCF = torch.stack([_padded(f[0], context_len) for f, _ in passes])
+        labels = [lab[0] for _, lab in passes] if want_labels else None
     else:  # a prefix of the whole sequence's cached features is the prefix's features
         features_BCF = torch.stack([_padded(features[i][:context_len], context_len) for i, *_ in live])
     kept = [teachers[i] for i, *_ in live] if teachers is not None and teachers[live[0][0]] is not None else None
-    return Planned(len(rows), live, context_len, features_BCF, kept)
+    if want_labels and labels is None:  # offline: the cache's top-1 after position p − 1 is the target's label at p
+        labels = [torch.cat([ids_T[:1], teacher[0][: len(ids_T) - 1, 0]]) for (_, ids_T, _, _), teacher in
+                  zip(live, kept, strict=True)]
+    return Planned(len(rows), live, context_len, features_BCF, kept, labels)
+
+
+@torch.no_grad()
+def target_pass(target: Target, ids_BT: torch.Tensor, context_len: int, want_labels: bool):
+    """The target over `ids_BT`: its watched features before `context_len` (B × C × F), and with `want_labels`
+    its greedy label at every position up to T (B × (T + 1): at p, the argmax of its distribution after p − 1; at
+    0 the token itself). The LM head is applied a slice of positions at a time, never to B × T × V at once."""
+    output, features = target.forward(ids_BT)
+    if not want_labels:
+        return features[:, :context_len], None
+    hidden = output.last_hidden_state
+    following = torch.cat([target.lm_head(hidden[:, i : i + 256]).argmax(-1) for i in range(0, hidden.shape[1], 256)],
+                          dim=1).cpu()
+    return features[:, :context_len], torch.cat([ids_BT[:, :1].cpu(), following], dim=1)
 
 
 def batch_step(model, target: Target, rows: list, cfg: TrainConfig, generators: list, device,
-               features: list | None = None, planned: Planned | None = None) -> list[dict | None]:
+               features: list | None = None, planned: Planned | None = None,
+               teachers: list | None = None) -> list[dict | None]:
     """Every block of several sequences in one forward pass: per sequence (in order) its loss (with grad),
     accuracy stats and sizes, or None if it has no anchor.
 
@@ -91,7 +117,7 @@ def batch_step(model, target: Target, rows: list, cfg: TrainConfig, generators: 
     equality is tested). `planned`: the micro-batch already planned (anchors, features), e.g. prefetched."""
     drafter: DFlashDrafter = getattr(model, "module", model)
     k = drafter.block_size
-    plan = planned or plan_batch(target, rows, cfg, generators, k, features)
+    plan = planned or plan_batch(target, rows, cfg, generators, k, features, teachers)
     results: list[dict | None] = [None] * plan.count
     if not plan.live:
         return results
@@ -105,7 +131,8 @@ def batch_step(model, target: Target, rows: list, cfg: TrainConfig, generators: 
     targets = []
     for b, (_, ids_T, mask_T, anchors) in enumerate(live):
         ids_b, pos_b, labels, weights = build_blocks(ids_T, mask_T, anchors, k, drafter.mask_token_id,
-                                                       cfg.loss_decay_gamma)
+                                                       cfg.loss_decay_gamma,
+                                                       label_ids_T=None if plan.labels is None else plan.labels[b])
         n = len(anchors)
         anchors_BN[b, :n], block_ids[b, :n], positions[b, :n] = anchors, ids_b, pos_b
         positions[b, n:] = torch.arange(k)  # padding blocks: any positions, they see only themselves
@@ -230,9 +257,9 @@ def evaluate_heldout(model, target: Target, dataset, indices, cfg: TrainConfig, 
     rows, walked = [], []
     for index in indices:
         row = dataset[index]
-        features = None if cache is None else cache[index]
+        features, teacher = (None, None) if cache is None else (cache[index], cache.teacher(index))
         result = sequence_step(model, target, row["input_ids"], row["loss_mask"], cfg,
-                               torch.Generator().manual_seed(index), device, features)
+                               torch.Generator().manual_seed(index), device, features, teacher)
         if result is not None:
             rows.append(result["rates"])
         walked.extend(serving_walk(model, target, row["input_ids"], row["loss_mask"], cfg, device, features))

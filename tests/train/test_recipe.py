@@ -78,3 +78,57 @@ def test_muon_takes_the_matrices_and_adamw_the_rest(tiny_target):
     assert all(p.ndim == 2 for g in muon.param_groups for p in g["params"])
     assert {by_name[id(p)] for g in adamw.param_groups for p in g["params"]} == set(by_name.values()) - matrices
     assert muon.param_groups[0]["initial_lr"] == 1e-2 and muon.param_groups[0]["weight_decay"] == 0.1  # 10 × lr
+
+
+def test_target_labels_are_the_targets_greedy_tokens(tiny_target):
+    """On the target's own greedy continuation they equal the data; on a sampled one they differ exactly where
+    a sampled token is not the target's argmax (computed here by transformers' own forward over the sequence)."""
+    from transformers import AutoModelForCausalLM
+
+    from flashdraft.model.target import Target
+    from flashdraft.train.step import plan_batch
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_target).eval()
+    prompt = torch.tensor([[5, 17, 33, 2, 91, 64, 8, 12]])
+    torch.manual_seed(0)
+    greedy = model.generate(prompt, max_new_tokens=30, do_sample=False, min_new_tokens=30)[0]
+    sampled = model.generate(prompt, max_new_tokens=30, do_sample=True, temperature=1.5, min_new_tokens=30)[0]
+    target = Target(tiny_target, "cpu", quiet, "float32")
+    target.watch([1, 3])
+    cfg = TrainConfig(target=tiny_target, labels="target", block_size=4, max_anchors=64)
+    mask = [0] * 8 + [1] * 30
+    for ids, is_greedy in ((greedy, True), (sampled, False)):
+        plan = plan_batch(target, [(ids.tolist(), mask)], cfg, [torch.Generator().manual_seed(0)], 4)
+        labels, anchors = plan.labels[0], plan.live[0][3]
+        reach = int(anchors.max()) + 3  # the last label a block reads
+        with torch.no_grad():
+            argmax = model(ids[None]).logits[0].argmax(-1)
+        assert torch.equal(labels[9 : reach + 1], argmax[8:reach])
+        departs = ids[9 : reach + 1] != argmax[8:reach]
+        assert not departs.any() if is_greedy else departs.any()
+
+
+def test_target_labels_from_the_offline_cache_are_the_online_ones(tiny_target, tiny_dataset, tmp_path):
+    from datasets import load_from_disk
+
+    from flashdraft.artifact.manifest import read_manifest
+    from flashdraft.model.target import Target
+    from flashdraft.train.feature_cache import FeatureCache
+    from flashdraft.train.step import plan_batch
+
+    with pytest.raises(ConfigError, match="labels: target with features: offline reads the target's argmax"):
+        load_config(None, {"train.labels": "target", "train.features": "offline"})
+    cfg = tiny_cfg(tiny_target, max_steps=2, labels="target", features="offline", distill_topk=1, distill_weight=0.0,
+                   target_dtype="float32")
+    run(cfg, tiny_dataset, tmp_path / "out", log=quiet)  # trains on them
+    cache, rows = FeatureCache(tmp_path / "out" / "features"), load_from_disk(str(tiny_dataset))
+    target = Target(tiny_target, "cpu", quiet, "float32")
+    target.watch(read_manifest(tmp_path / "out" / "features").stats["layer_ids"])
+    for index in (0, 5):
+        row = (rows[index]["input_ids"], rows[index]["loss_mask"])
+        online = plan_batch(target, [row], cfg, [torch.Generator().manual_seed(index)], cfg.block_size)
+        offline = plan_batch(target, [row], cfg, [torch.Generator().manual_seed(index)], cfg.block_size,
+                             [cache[index]], [cache.teacher(index)])
+        reach = int(online.live[0][3].max()) + cfg.block_size - 1
+        supervised = torch.as_tensor(row[1][: reach + 1]).bool()
+        assert torch.equal(online.labels[0][: reach + 1][supervised], offline.labels[0][: reach + 1][supervised])
