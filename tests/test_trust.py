@@ -179,6 +179,33 @@ def test_a_store_prefix_has_an_owner(cli, tmp_path, s3env):
     assert "replacing a dataset artifact" in forced.stdout and cli("verify", url).returncode == 0
 
 
+def test_two_pushes_to_one_prefix_never_leave_a_mixed_artifact_that_verifies(tmp_path, s3env):
+    """Two machines push different versions of one plain directory (same kind, same empty lineage: neither is
+    refused up front) to one prefix at the same moment, five times: whatever is left there either verifies as
+    exactly one of the two, or does not verify — never a mix that verifies."""
+    sources = []
+    for name in ("a", "b"):
+        src = tmp_path / name
+        src.mkdir()
+        for i in range(6):
+            (src / f"part-{i}.bin").write_bytes(os.urandom(50_000))
+        write_manifest(src, build_manifest(src))
+        sources.append(src)
+    for attempt in range(5):
+        url = f"s3://flashdraft/t-{uuid.uuid4().hex[:10]}/art-{attempt}"
+        procs = [subprocess.Popen([*FLASHDRAFT, "sync", "push", str(src), url], stdout=subprocess.PIPE,
+                                  stderr=subprocess.PIPE, text=True) for src in sources]
+        results = [(p.wait(), *p.communicate()) for p in procs]
+        assert all("Traceback" not in err for _, _, err in results), results
+        verified = subprocess.run([*FLASHDRAFT, "verify", url], capture_output=True, text=True).returncode == 0
+        raw = s3env.client().get_object(Bucket="flashdraft", Key=url[len("s3://flashdraft/"):] + "/" + MANIFEST)[
+            "Body"].read() if verified else None
+        if verified:
+            assert raw in {(src / MANIFEST).read_bytes() for src in sources}
+            winner = next(src for src in sources if (src / MANIFEST).read_bytes() == raw)
+            assert results[sources.index(winner)][0] == 0  # the one that verifies is the one that said so
+
+
 def test_a_second_training_run_cannot_take_over_the_first_ones_push_to(cli, tmp_path, tiny_target, tiny_dataset):
     store = tmp_path / "store"
     first = train_config(tmp_path / "first.yaml", tiny_target, max_steps=4)

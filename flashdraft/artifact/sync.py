@@ -289,13 +289,12 @@ def claim_prefix(store, kind: str, lineage: Lineage, *, force: bool = False,
     try:
         theirs = parse_manifest(raw)
     except ManifestError as e:
-        reason: str | None = f"a manifest flashdraft cannot read ({e})"
+        reason = f"a manifest flashdraft cannot read ({e})"
     else:
+        if theirs.kind == kind and theirs.lineage.same_work(lineage):
+            return raw  # this artifact's own earlier version: ours to replace
         other = "inputs" if theirs.lineage.inputs != lineage.inputs else "settings"
-        reason = (f"a {theirs.kind} artifact" if theirs.kind != kind else None
-                  if theirs.lineage.same_work(lineage) else f"a {theirs.kind} artifact made from other {other}")
-    if reason is None:
-        return raw
+        reason = f"a {theirs.kind} artifact" if theirs.kind != kind else f"a {kind} artifact made from other {other}"
     if not force:
         raise PrefixOwned(f"{store.url} holds {reason} (created {_created(raw)}); nothing was written. Push to "
                           "another prefix, or replace it on purpose with `flashdraft sync push --force`")

@@ -152,10 +152,10 @@ def expected_acceptance_length(accept_rate_by_position: list[float]) -> float:
     return tau
 
 
-def per_position_accuracy(logits_NKV, labels_NK, weights_NK) -> list[float]:
-    """Conditional accuracy at block positions 1..K−1: correct at k given correct at all 1..k−1 (greedy
-    acceptance), over supervised labels. Feeds `expected_acceptance_length`."""
-    correct = (logits_NKV.argmax(-1) == labels_NK) | (weights_NK == 0)
+def per_position_accuracy(predicted_NK, labels_NK, weights_NK) -> list[float]:
+    """Conditional accuracy at block positions 1..K−1 of the drafter's greedy tokens `predicted_NK`: correct at k
+    given correct at all 1..k−1 (greedy acceptance), over supervised labels. Feeds `expected_acceptance_length`."""
+    correct = (predicted_NK == labels_NK) | (weights_NK == 0)
     prefix = torch.cumprod(correct[:, 1:].int(), dim=1)  # N × (K−1): accepted through k
     rates = []
     alive = torch.ones(prefix.shape[0], dtype=torch.bool)

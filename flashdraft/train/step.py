@@ -170,8 +170,9 @@ def batch_step(model, target: Target, rows: list, cfg: TrainConfig, generators: 
             soft_ce = distill_ce(drafter, logits, plan.teachers[b], anchors, k)
             weighted_ce = (1 - cfg.distill_weight) * weighted_ce + cfg.distill_weight * (soft_ce * weights_S).sum()
         with torch.no_grad():
-            rates = per_position_accuracy(logits.view(n, k, -1).cpu(), labels, weights)
-            accepted = accepted_drafts(logits.view(n, k, -1).cpu(), labels, weights)
+            predicted = logits.view(n, k, -1).argmax(-1).cpu()  # the drafter's greedy tokens
+            rates = per_position_accuracy(predicted, labels, weights)
+            accepted = accepted_drafts(predicted, labels, weights)
         weight = float(weights_S.sum())
         # `weighted_ce` and `weight` are summed over the whole optimizer step before dividing (train.accumulate);
         # `loss` is this sequence's own ratio, for tests and benchmarks that step one sequence.
@@ -201,10 +202,10 @@ def _padded(features_CF: torch.Tensor, length: int) -> torch.Tensor:
     return features_CF if pad == 0 else torch.cat([features_CF, features_CF.new_zeros(pad, features_CF.shape[1])])
 
 
-def accepted_drafts(logits_NKV, labels_NK, weights_NK) -> list[int]:
+def accepted_drafts(predicted_NK, labels_NK, weights_NK) -> list[int]:
     """Per block: how many drafts greedy verification would accept — the leading block positions 1..K−1 whose
-    argmax is the label, stopping at the first wrong one or the first label that is not supervised."""
-    good = (logits_NKV.argmax(-1) == labels_NK) & (weights_NK > 0)
+    greedy token is the label, stopping at the first wrong one or the first label that is not supervised."""
+    good = (predicted_NK == labels_NK) & (weights_NK > 0)
     return good[:, 1:].int().cumprod(dim=1).sum(dim=1).tolist()
 
 
@@ -216,7 +217,7 @@ def serving_walk(model, target: Target, ids_T, mask_T, cfg: TrainConfig, device,
     the next block right after it (a new supervised span starts a new walk; a block at a span's last token, the
     end of the turn, is not one decoding runs). On a sequence that is the target's
     own greedy output this is what `flashdraft eval` measures, without decoding: every block's drafts depend
-    only on the context before it, so all candidate blocks are scored in passes of `max_anchors` and then walked.
+    only on the context before it, so all candidate blocks are scored in a few passes and then walked.
     Labels past the sequence's end count as not accepted (eval would compare them with the target's own
     continuation, which the data does not hold)."""
     drafter: DFlashDrafter = getattr(model, "module", model)
@@ -232,7 +233,9 @@ def serving_walk(model, target: Target, ids_T, mask_T, cfg: TrainConfig, device,
     if features_TF is None:
         features_TF = target.features(ids_T[None, : int(candidates.max())])[0]
     accepted: dict[int, int] = {}
-    for chunk in candidates.split(cfg.max_anchors):
+    # Passes of at least 512 blocks (training's default anchor count, so no more memory than a GPU step): a CPU
+    # run's few anchors a step would make the walk dozens of small passes.
+    for chunk in candidates.split(max(cfg.max_anchors, 512)):
         context_len = int(chunk.max())
         plan = Planned(1, [(0, ids_pad, mask_pad, chunk)], context_len,
                        _padded(features_TF[:context_len], context_len)[None])
