@@ -94,14 +94,19 @@ def claim_output(out: str | Path, kind: str, *, mark: bool = False, strays_ok: b
                                  + ", which its manifest does not list (someone else's?); nothing was changed: "
                                  "move them away, or use another --out")
     if mark:
-        out.mkdir(parents=True, exist_ok=True)
-        atomic_write_text(out / OWNER, json.dumps({"kind": kind, **marker}))
+        mark_output(out, kind, **marker)
+
+
+def mark_output(out: Path, kind: str, **marker: Any) -> None:
+    """Record in `out` that a run of `kind` owns it (what `claim_output` and `owner_kind` read back)."""
+    out.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(out / OWNER, json.dumps({"kind": kind, **marker}))
 
 
 def adopt(out: Path, kind: str, *, made_before_markers: bool, **marker: Any) -> None:
     """Mark an output flashdraft made before it wrote owner markers (its own layout says so) as `kind`'s."""
     if made_before_markers and out.is_dir() and owner_kind(out) is None:
-        atomic_write_text(out / OWNER, json.dumps({"kind": kind, "adopted": True, **marker}))
+        mark_output(out, kind, adopted=True, **marker)
 
 
 def read_marker(out: Path) -> dict[str, Any]:

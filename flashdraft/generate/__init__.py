@@ -37,7 +37,7 @@ from flashdraft.artifact.manifest import (
     sha256_json,
     verify_dir,
 )
-from flashdraft.artifact.ownership import OWNER, adopt, output_lock, read_marker, remove_inside
+from flashdraft.artifact.ownership import OWNER, adopt, mark_output, output_lock, read_marker, remove_inside
 from flashdraft.artifact.ownership import claim_output as claim_output_of_kind
 from flashdraft.config import GenerateConfig
 from flashdraft.errors import BadInput, ExpectedFailure
@@ -108,7 +108,7 @@ def claim_output(out: Path, lineage: Lineage) -> None:
             raise OutputInUse(f"{out} holds a finished run with different prompts or settings; use another --out")
         for problem in verify_dir(out):
             remove_inside(out, problem.path)  # only a file the manifest names, inside out
-        claim_output_of_kind(out, "completions", mark=True, lineage=lineage.model_dump())
+        mark_output(out, "completions", lineage=lineage.model_dump())
         (out / MANIFEST).unlink()
         return
     marker = read_marker(out).get("lineage")
@@ -116,7 +116,7 @@ def claim_output(out: Path, lineage: Lineage) -> None:
         if Lineage.model_validate(marker).same_work(lineage):
             return
         raise OutputInUse(f"{out} holds batches of a run with different prompts or settings; use another --out")
-    claim_output_of_kind(out, "completions", mark=True, lineage=lineage.model_dump())
+    mark_output(out, "completions", lineage=lineage.model_dump())
 
 
 def to_record(prompt: Prompt, history: list[dict[str, Any]], done: Completion, model: str,

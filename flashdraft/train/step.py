@@ -6,6 +6,7 @@ head scores them. `evaluate_heldout` runs the same step without gradients on fix
 
 from __future__ import annotations
 
+import bisect
 import warnings
 from dataclasses import dataclass
 from typing import Any
@@ -66,8 +67,9 @@ def plan_batch(target: Target, rows: list, cfg: TrainConfig, generators: list, b
     context_len = max(int(anchors.max()) for *_, anchors in live)  # no block sees a position at or after its anchor
     online = features is None or features[live[0][0]] is None
     want_labels = cfg.labels == "target"
-    # Target labels reach K − 1 positions past the last anchor; features are needed only before it.
-    reach = context_len + (block_size - 1 if want_labels else 0)
+    # Target labels reach K − 1 positions past a sequence's last anchor; features are needed only before it.
+    beyond = block_size - 1 if want_labels else 0
+    reach = context_len + beyond
     labels = None
     if online and target.lm_head.weight.is_cuda:
         ids_BC = torch.zeros(len(live), reach, dtype=torch.long)
@@ -78,8 +80,8 @@ def plan_batch(target: Target, rows: list, cfg: TrainConfig, generators: list, b
     elif online:
         # On CPU the target is compute-bound and a padded batch is slower than its sequences one by one
         # (measured: 4 × ~2,000 tokens of SmolLM2, 15.9 s batched vs 12.7 s apart), so each runs alone.
-        passes = [target_pass(target, ids_T[None, : int(anchors.max()) + reach - context_len], int(anchors.max()),
-                              want_labels) for _, ids_T, _, anchors in live]
+        passes = [target_pass(target, ids_T[None, : int(anchors.max()) + beyond], int(anchors.max()), want_labels)
+                  for _, ids_T, _, anchors in live]
         features_BCF = torch.stack([_padded(f[0], context_len) for f, _ in passes])
         labels = [lab[0] for _, lab in passes] if want_labels else None
     else:  # a prefix of the whole sequence's cached features is the prefix's features
@@ -246,7 +248,8 @@ def serving_walk(model, target: Target, ids_T, mask_T, cfg: TrainConfig, device,
     while position is not None:
         walk.append(accepted[position])
         after = position + accepted[position] + 1  # where the bonus token sits: the next block's anchor
-        position = after if after in accepted else next((p for p in starts if p > after), None)
+        later = bisect.bisect_right(starts, after)  # else the next supervised span's first anchor
+        position = after if after in accepted else (starts[later] if later < len(starts) else None)
     return walk
 
 

@@ -372,3 +372,34 @@ def test_of_two_writers_to_one_local_store_the_later_fails(tmp_path):
     with pytest.raises(StoreError, match="another writer committed a different manifest"):
         store.put_manifest(b'{"format": 1}')
     assert (tmp_path / "dst" / MANIFEST).read_bytes() == (a / MANIFEST).read_bytes()
+
+
+def test_a_pull_replaces_its_own_old_files_and_refuses_a_strangers(tmp_path):
+    from flashdraft.artifact.ownership import OutputNotOwned
+    from flashdraft.artifact.store import LocalStore
+
+    old = make_artifact(tmp_path / "old", sizes=(100, 200), kind="dataset")
+    new = tmp_path / "new"
+    new.mkdir()
+    (new / "other.bin").write_bytes(b"new version")
+    write_manifest(new, build_manifest(new, kind="dataset"))
+    store = LocalStore(tmp_path / "store")
+    push(new, store, log=lambda s: None)
+    local = tmp_path / "local"
+    pull(_pushed(old, tmp_path / "old-store"), local)
+    result = pull(store, local)  # the old version's files, named by its manifest, are this pull's to replace
+    from flashdraft.artifact.manifest import list_data_files, verify_dir
+
+    assert result.deleted == 2 and list_data_files(local) == ["other.bin"] and verify_dir(local) == []
+    (local / "notes.txt").write_text("a user's")
+    with pytest.raises(OutputNotOwned, match="also holds notes.txt"):
+        pull(_pushed(old, tmp_path / "old-store"), local)
+    assert (local / "notes.txt").read_text() == "a user's" and (local / "other.bin").is_file()
+
+
+def _pushed(src: Path, root: Path):
+    from flashdraft.artifact.store import LocalStore
+
+    store = LocalStore(root)
+    push(src, store, log=lambda s: None)
+    return store
