@@ -13,7 +13,8 @@ after it (a newline) is not. Tokens are never re-encoded per prefix.
 
 Output: the `datasets.save_to_disk` layout (`datasets.load_from_disk` opens it) with columns `id`,
 `input_ids` (int32), `loss_mask` (uint8), `num_tokens`; manifest stats `samples`, `tokens`, `loss_tokens`,
-`loss_fraction`, `rejected`, `truncated`, `anchor_valid_samples`, a length histogram and per-shard stats.
+`loss_fraction`, `rejected`, `truncated`, `anchor_valid_samples`, a length histogram and per-shard stats,
+`longest`, `largest_token_id`; `token_counts.safetensors` counts each token id (in all and where supervised).
 """
 
 from __future__ import annotations
@@ -48,6 +49,7 @@ from flashdraft.progress import progress
 from flashdraft.tokenize.offsets import longest_run
 from flashdraft.tokenize.records import all_records, expand_inputs
 from flashdraft.tokenize.shards import ShardWriter
+from flashdraft.tokenize.token_counts import TOKEN_COUNTS
 from flashdraft.tokenize.workers import CHUNK, ChunkResult, init_pool_worker, init_worker, no_cyclic_gc, process_chunk
 
 HISTOGRAM_EDGES = [0, 256, 512, 1024, 2048, 3072, 4096, 8192, 16384, 1 << 30]
@@ -192,6 +194,9 @@ def build(cfg: TokenizeConfig, records: Iterator, out: Path, init: tuple, lineag
     atomic_write_text(out / "rejected.jsonl", "".join(json.dumps(r) + "\n" for r in totals.rejected))
     shards = writer.finish(lineage.config)
     stats["shards"] = [{"file": f, **s} for f, s in zip(shards, writer.shard_stats, strict=True)]
+    # What train reads instead of scanning every token (on every start, on every rank): see token_counts.
+    stats |= {"longest": max(lengths, default=0), "largest_token_id": writer.counts.largest_id,
+              "token_counts": TOKEN_COUNTS}
     return stats
 
 

@@ -10,6 +10,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from flashdraft.artifact.atomic import atomic_open, atomic_write_text
+from flashdraft.tokenize.token_counts import TOKEN_COUNTS, TokenCounts
 
 
 class Row(NamedTuple):
@@ -51,6 +52,7 @@ class ShardWriter:
         self.pending: list[tuple[str, np.ndarray, np.ndarray]] = []
         self.shard_files: list[str] = []
         self.shard_stats: list[dict[str, Any]] = []
+        self.counts = TokenCounts()  # counted here, as the shards are written, so train never scans them
 
     def add(self, rows: list[Row]) -> None:
         self.pending.extend(rows)
@@ -65,6 +67,7 @@ class ShardWriter:
         offsets = np.concatenate(([0], np.cumsum(lengths))).astype(np.int32)
         all_ids = np.concatenate([r.input_ids for r in rows]) if rows else np.zeros(0, np.int32)
         all_mask = np.concatenate([r.loss_mask for r in rows]) if rows else np.zeros(0, np.uint8)
+        self.counts.add(all_ids, all_mask)
         table = pa.Table.from_arrays(
             [
                 pa.array([r.id for r in rows], pa.string()),
@@ -102,4 +105,5 @@ class ShardWriter:
             "_split": None,
         }
         atomic_write_text(self.out / "state.json", json.dumps(state, indent=2))
+        self.counts.save(self.out / TOKEN_COUNTS)
         return final

@@ -50,6 +50,7 @@ from flashdraft.model.export import save_drafter
 from flashdraft.model.objective import expected_acceptance_length
 from flashdraft.model.target import Target, attention_layers
 from flashdraft.progress import progress
+from flashdraft.tokenize.token_counts import count_rows
 from flashdraft.train.checkpoint import (
     CheckpointShipper,
     full_state,
@@ -62,11 +63,13 @@ from flashdraft.train.checkpoint import (
 )
 from flashdraft.train.data import (
     BadTrainingInput,
+    check_token_ids,
     check_tokenizer,
     choose_draft_vocab,
     load_dataset_checked,
     pick_mask_token,
     split_heldout,
+    token_counts,
 )
 from flashdraft.train.distributed import Placement, barrier, place, wrap
 from flashdraft.train.metrics import MetricSinks, json_rates, mean_rates, truncate_metrics
@@ -225,20 +228,24 @@ def setup(cfg: TrainConfig, data: Path, out: Path, target_path: str, where: Plac
     imported = import_drafter(cfg.init_from, target.config, say) if cfg.init_from else None
     block_size = imported.block_size if imported is not None else cfg.block_size
     dataset = load_dataset_checked(data, block_size, target.config.vocab_size, cfg.max_length)
+    counts = token_counts(data, dataset, where.world)
+    check_token_ids(counts, target.config.vocab_size)
     train_ids, heldout_ids = split_heldout(len(dataset), cfg.eval_samples, cfg.seed)
     torch.manual_seed(cfg.seed)
     if imported is not None:
         drafter = imported
     else:
         config = draft_config(target.config, num_layers=cfg.num_layers, block_size=cfg.block_size,
-                              mask_token_id=pick_mask_token(cfg, target.config, target.path, dataset),
+                              mask_token_id=pick_mask_token(cfg, target.config, target.path, counts),
                               target_layer_ids=cfg.target_layer_ids, draft_vocab_size=cfg.draft_vocab_size,
                               sliding_window=cfg.sliding_window)
         drafter = DFlashDrafter(config)
         if cfg.init_from_target:
             drafter.init_from_target(attention_layers(target.decoder))
         if cfg.draft_vocab_size:
-            vocab = choose_draft_vocab(dataset.select(train_ids), cfg.draft_vocab_size, target.config.vocab_size)
+            # the training rows' counts: the whole dataset's less the (few) held-out rows'
+            training = counts.minus(count_rows(dataset, heldout_ids))
+            vocab = choose_draft_vocab(training, cfg.draft_vocab_size, target.config.vocab_size)
             drafter.set_draft_vocab(vocab)
     drafter = drafter.to(where.device, torch.float32)
     target.watch(drafter.target_layer_ids)

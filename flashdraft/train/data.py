@@ -1,17 +1,19 @@
 """The training data: the dataset checked against the target, the held-out pick, the mask token, the draft vocabulary.
 
-Every check here runs before any compute, so a dataset that cannot train this target fails in seconds.
+Every check here runs before any compute, so a dataset that cannot train this target fails in seconds. None of
+them reads every token: what they need about the ids comes from the counts tokenize wrote beside the shards
+(`flashdraft.tokenize.token_counts`), so a start-up costs the same on 10K samples as on 900K.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
-import numpy as np
 import torch
 
 from flashdraft.config import TrainConfig
 from flashdraft.errors import BadInput
+from flashdraft.tokenize.token_counts import TOKEN_COUNTS, TokenCounts, count_dataset
 
 
 class BadTrainingInput(BadInput):
@@ -34,13 +36,31 @@ def load_dataset_checked(data: Path, block_size: int, vocab_size: int, max_lengt
     longest = pc.max(pc.list_value_length(ids)).as_py() or 0
     if longest < block_size + 1:
         raise BadTrainingInput(f"block size {block_size} is larger than every sample (longest: {longest} tokens)")
-    top = pc.max(pc.list_flatten(ids)).as_py()
-    if top >= vocab_size:
-        raise BadTrainingInput(
-            f"token id {top} is outside the target's vocabulary ({vocab_size}): the dataset was tokenized with "
-            "another tokenizer than this target's"
-        )
     return dataset.with_format("numpy", columns=["input_ids", "loss_mask"])
+
+
+def check_token_ids(counts: TokenCounts, vocab_size: int) -> None:
+    if counts.largest_id >= vocab_size:
+        raise BadTrainingInput(
+            f"token id {counts.largest_id} is outside the target's vocabulary ({vocab_size}): the dataset was "
+            "tokenized with another tokenizer than this target's"
+        )
+
+
+def token_counts(data: Path, dataset, world: int) -> TokenCounts:
+    """The dataset's token counts: the file tokenize wrote (each rank reads it), or for a dataset without one a
+    single vectorised pass on rank 0 that the other ranks receive."""
+    from flashdraft.train.distributed import from_rank_zero  # (it imports this module)
+
+    if (data / TOKEN_COUNTS).is_file():
+        return TokenCounts.load(data / TOKEN_COUNTS)
+
+    def count() -> list[torch.Tensor]:
+        counted = count_dataset(dataset)
+        return [torch.from_numpy(counted.tokens), torch.from_numpy(counted.supervised)]
+
+    tokens, supervised = from_rank_zero(world, count, 2)
+    return TokenCounts(tokens.numpy(), supervised.numpy())
 
 
 def check_tokenizer(dataset_vocab: str | None, target_path: str) -> None:
@@ -59,7 +79,7 @@ def check_tokenizer(dataset_vocab: str | None, target_path: str) -> None:
         )
 
 
-def pick_mask_token(cfg: TrainConfig, target_config, target_path: str, dataset) -> int:
+def pick_mask_token(cfg: TrainConfig, target_config, target_path: str, counts: TokenCounts) -> int:
     """An id the target never sees in use: a padded embedding row if there is one, else the highest id
     that the training data never contains."""
     if cfg.mask_token_id is not None:
@@ -71,10 +91,7 @@ def pick_mask_token(cfg: TrainConfig, target_config, target_path: str, dataset) 
         tokenizer_len = len(AutoTokenizer.from_pretrained(target_path))
     if tokenizer_len < target_config.vocab_size:
         return tokenizer_len
-    seen = np.zeros(target_config.vocab_size, dtype=bool)
-    for row in dataset:
-        seen[row["input_ids"]] = True
-    unused = np.flatnonzero(~seen)
+    unused = counts.unused_ids(target_config.vocab_size)
     if len(unused) == 0:
         raise BadTrainingInput("every token id occurs in the data: set train.mask_token_id explicitly")
     return int(unused[-1])
@@ -88,10 +105,6 @@ def split_heldout(n: int, eval_samples: int, seed: int) -> tuple[list[int], list
     return sorted(perm[n_eval:]), sorted(perm[:n_eval])
 
 
-def choose_draft_vocab(dataset, size: int, vocab_size: int) -> torch.Tensor:
+def choose_draft_vocab(counts: TokenCounts, size: int, vocab_size: int) -> torch.Tensor:
     """The `size` target ids most often supervised in the training data (ties: lower id first)."""
-    counts = np.zeros(vocab_size, dtype=np.int64)
-    for row in dataset:
-        counts += np.bincount(row["input_ids"][row["loss_mask"].astype(bool)], minlength=vocab_size)
-    order = np.lexsort((np.arange(vocab_size), -counts))  # by count descending, then id
-    return torch.from_numpy(np.sort(order[:size]))
+    return torch.from_numpy(counts.most_supervised(size, vocab_size))

@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -69,3 +70,24 @@ def wrap(model: torch.nn.Module, cfg: TrainConfig, world: int, device: str) -> t
 def barrier(world: int) -> None:
     if world > 1:
         torch.distributed.barrier()
+
+
+def from_rank_zero(world: int, compute: Callable[[], list[torch.Tensor]], count: int) -> list[torch.Tensor]:
+    """`count` int64 vectors that rank 0 computes and every other rank receives: a pass over the data done once
+    a run, not once a rank. Sent as tensors (broadcast_object_list would pickle)."""
+    if world == 1:
+        return compute()
+    rank = torch.distributed.get_rank()
+    # nccl sends only GPU tensors; one GPU per local rank keeps two ranks of a node off the same device
+    nccl = torch.distributed.get_backend() == "nccl"
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if nccl else torch.device("cpu")
+    vectors = compute() if rank == 0 else None
+    lengths = torch.tensor([len(v) for v in vectors] if vectors is not None else [0] * count, device=device)
+    torch.distributed.broadcast(lengths, src=0)
+    received = []
+    for i, n in enumerate(lengths.tolist()):
+        v = vectors[i].to(device, torch.int64) if vectors is not None else torch.empty(n, dtype=torch.int64,
+                                                                                        device=device)
+        torch.distributed.broadcast(v, src=0)
+        received.append(v.cpu())
+    return received

@@ -105,11 +105,13 @@ def test_a_bfloat16_target_decodes_with_a_bfloat16_drafter(tmp_path, tiny_model_
 def test_reduced_draft_vocab_trains_exports_and_decodes_losslessly(target, tmp_path):
     """A drafter scoring only 64 target tokens: label mapping, export (d2t/t2d) and eval agree end to end."""
     from flashdraft.model.export import load_drafter
+    from flashdraft.tokenize.token_counts import TokenCounts
     from flashdraft.train.data import choose_draft_vocab
 
     ids, mask = continuation_sample(target)
-    rows = [{"input_ids": ids.numpy(), "loss_mask": mask.numpy()}]
-    vocab = choose_draft_vocab(rows, 64, target.config.vocab_size)
+    counts = TokenCounts()
+    counts.add(ids.numpy(), mask.numpy())
+    vocab = choose_draft_vocab(counts, 64, target.config.vocab_size)
     assert set(ids[mask.bool()].tolist()) <= set(vocab.tolist())  # every supervised token made the cut
     torch.manual_seed(0)
     config = draft_config(target.config, num_layers=1, block_size=8, mask_token_id=0, draft_vocab_size=64)
