@@ -38,8 +38,9 @@ def aws_cli() -> str:
     return str(venv / "bin" / "aws")
 
 
-def make_data(root: Path, total_mb: int, files: int) -> list[Path]:
-    """`files` files from 1 MB up to 64 MB, about `total_mb` in all (random bytes: nothing compresses)."""
+def make_data(root: Path, total_mb: int, files: int, equal: bool = False) -> list[Path]:
+    """`files` files from 1 MB up to 64 MB, about `total_mb` in all (random bytes: nothing compresses); or,
+    `equal`, `files` shards of one size (a tokenize output's layout: the seeds' 47 shards in miniature)."""
     if root.exists():
         shutil.rmtree(root)
     root.mkdir(parents=True)
@@ -47,7 +48,7 @@ def make_data(root: Path, total_mb: int, files: int) -> list[Path]:
     scale = total_mb / sum(weights)
     paths = []
     for i, w in enumerate(weights):
-        size = max(1, min(64, round(w * scale))) << 20
+        size = (total_mb << 20) // files if equal else max(1, min(64, round(w * scale))) << 20
         path = root / f"shard-{i:03d}.bin"
         with open(path, "wb") as f:
             f.write(os.urandom(size))
@@ -97,6 +98,7 @@ def main() -> None:
     ap.add_argument("--total-mb", type=int, default=1024)
     ap.add_argument("--files", type=int, default=40)
     ap.add_argument("--small-files", type=int, default=1000)
+    ap.add_argument("--equal", action="store_true", help="files of one size (a dataset's shards), not 1-64 MB")
     ap.add_argument("--tools", default="flashdraft,s5cmd,rclone,aws s3 sync")
     ap.add_argument("--no-record", action="store_true", help="Do not append to benchmarks/RESULTS.md.")
     args = ap.parse_args()
@@ -104,7 +106,7 @@ def main() -> None:
 
     data, small = BENCH / "sync-data", BENCH / "sync-small"
     print(f"making {args.files} files, ~{args.total_mb} MB, and {args.small_files} small files …", flush=True)
-    paths = make_data(data, args.total_mb, args.files)
+    paths = make_data(data, args.total_mb, args.files, args.equal)
     make_small(small, args.small_files)
     total_bytes = sum(p.stat().st_size for p in paths)
 
@@ -165,21 +167,23 @@ def main() -> None:
                   f"{noop_small:.2f}s  edit caught: {caught}", flush=True)
 
     base = {r[0]: r for r in rows}.get("s5cmd")
+    aws = {r[0]: r for r in rows}.get("aws s3 sync")
     lines = [
         f"### sync — {datetime.now(UTC).date()} — {len(paths)} files, {total_bytes / 1e9:.2f} GB, "
         f"{args.small_files} small files, SeaweedFS on 127.0.0.1, {os.cpu_count()} cores",
         "",
         f"Command: `.venv/bin/python benchmarks/sync_bench.py --total-mb {args.total_mb} --files {args.files} "
-        f"--small-files {args.small_files}`",
+        f"--small-files {args.small_files}{' --equal' if args.equal else ''}`",
         "",
-        "| tool | full upload s | ratio vs s5cmd | MB/s | no-op re-sync s | no-op request bytes | "
+        "| tool | full upload s | ratio vs s5cmd | ratio vs aws | MB/s | no-op re-sync s | no-op request bytes | "
         f"no-op × {args.small_files} files s | same-size edit (older mtime) sent |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for tool, full, noop, noop_bytes, noop_small, caught in rows:
         ratio = f"{full / base[1]:.2f}" if base else "—"
+        vs_aws = f"{full / aws[1]:.2f}" if aws else "—"
         lines.append(
-            f"| {tool} | {full:.2f} | {ratio} | {total_bytes / full / 1e6:.0f} | {noop:.2f} | {noop_bytes:,} | "
+            f"| {tool} | {full:.2f} | {ratio} | {vs_aws} | {total_bytes / full / 1e6:.0f} | {noop:.2f} | {noop_bytes:,} | "
             f"{noop_small:.2f} | {'yes' if caught else '**no**'} |"
         )
     lines += [

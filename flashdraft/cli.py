@@ -402,7 +402,9 @@ def sync(
     dst: Annotated[str, typer.Argument(help="Destination: s3://bucket/prefix or directory (push), directory (pull).")],
     delete: Annotated[bool, typer.Option(help="Remove destination files the manifest does not list.")] = False,
     jobs: Annotated[int, typer.Option(help="Parallel transfers.")] = 8,
-    part_size_mb: Annotated[int, typer.Option(help="Multipart part size; larger files go multipart.")] = 64,
+    part_size_mb: Annotated[int | None, typer.Option(
+        help="Multipart part size; larger files go multipart. Default: each file whole when there are at "
+             "least --jobs files to send, else 8 MB parts.")] = None,
     force: Annotated[bool, typer.Option(
         help="push: replace an artifact of another kind or lineage at DST (refused without it).")] = False,
     profile: ProfileFlag = None,
@@ -429,7 +431,7 @@ def sync(
                 store,
                 delete=delete,
                 jobs=jobs,
-                part_size=part_size_mb << 20,
+                part_size=part_size_mb << 20 if part_size_mb else None,
                 force=force,
                 console=err_console,
                 log=human(json_out).print,

@@ -34,8 +34,10 @@ from flashdraft.errors import ExpectedFailure
 
 Progress = Callable[[int], None]  # called with a number of bytes just moved
 
-DEFAULT_PART_SIZE = 64 << 20
+DEFAULT_PART_SIZE = 8 << 20  # aws-cli's; 64 MB parts measured 1.3x slower (benchmarks/RESULTS.md, sync)
 MIN_PART_SIZE = 5 << 20  # S3's floor for every part but the last
+MAX_PARTS = 10_000  # S3's ceiling on parts of one upload: past 80 GB the parts grow
+SINGLE_PUT_LIMIT = 5 << 30  # S3's largest single PUT
 PART_WORKERS = 4  # parts of one multipart upload in flight at once
 
 
@@ -239,6 +241,12 @@ class S3Store:
             # flashdraft supplies its own checksums (from the manifest); botocore need not compute more.
             request_checksum_calculation="when_required",
             response_checksum_validation="when_required",
+            # Over plain HTTP (an in-cluster SeaweedFS/MinIO) botocore would otherwise read and SHA-256 every body
+            # a second time to sign it. Every body flashdraft sends carries its own checksum header (the manifest's
+            # SHA-256, a part's CRC64NVME, the whole object's CRC64NVME on completion), which the signature covers
+            # and the server checks before an object appears; so the body need not be signed too (botocore's own
+            # choice over HTTPS).
+            s3={"payload_signing_enabled": False},
         )
         self.client = session.client(
             "s3", endpoint_url=self.endpoint, region_name=session.region_name or "us-east-1", config=config
@@ -305,24 +313,34 @@ class S3Store:
 
     def upload(self, local: Path, entry: FileEntry, progress: Progress, part_size: int = DEFAULT_PART_SIZE) -> None:
         part_size = max(part_size, MIN_PART_SIZE)
-        if entry.size <= part_size:
+        if entry.size <= min(part_size, SINGLE_PUT_LIMIT):
             with open(local, "rb") as f:
-                # The server re-hashes the body against the manifest's SHA-256 and rejects a mismatch.
-                self._call(
-                    f"upload {entry.path}",
-                    self.client.put_object,
-                    Key=self.key(entry.path),
-                    Body=f,
-                    ContentLength=entry.size,
-                    ChecksumSHA256=_b64(entry.sha256),
-                )
+                # The server re-hashes the body against the manifest's SHA-256 and rejects a mismatch: this is
+                # where a push finds a local file changed since its manifest (it is not hashed beforehand).
+                try:
+                    self._call(
+                        f"upload {entry.path}",
+                        self.client.put_object,
+                        Key=self.key(entry.path),
+                        Body=f,
+                        ContentLength=entry.size,
+                        ChecksumSHA256=_b64(entry.sha256),
+                    )
+                except StoreError as e:
+                    if "BadDigest" not in str(e):
+                        raise
+                    raise StoreError(f"{entry.path}: content differs from the manifest (the store computed another "
+                                     "SHA-256 and kept nothing): the local file changed since its manifest was "
+                                     "written") from None
             progress(entry.size)
-        else:
-            self._upload_multipart(local, entry, progress, part_size)
+        else:  # past S3's single-PUT limit even a "whole files" push sends parts
+            self._upload_multipart(local, entry, progress, part_size if part_size < SINGLE_PUT_LIMIT
+                                   else DEFAULT_PART_SIZE)
 
     def _upload_multipart(self, local: Path, entry: FileEntry, progress: Progress, part_size: int) -> None:
         from awscrt.checksums import crc64nvme
 
+        part_size = max(part_size, -(-entry.size // MAX_PARTS))
         key = self.key(entry.path)
         upload = self._call(
             f"upload {entry.path}",

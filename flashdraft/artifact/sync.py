@@ -40,7 +40,7 @@ from flashdraft.artifact.manifest import (
     write_manifest,
 )
 from flashdraft.artifact.ownership import OWNER, claim_output, output_lock, read_marker
-from flashdraft.artifact.store import DEFAULT_PART_SIZE, Listed, Remote, StoreError
+from flashdraft.artifact.store import DEFAULT_PART_SIZE, MIN_PART_SIZE, SINGLE_PUT_LIMIT, Listed, Remote, StoreError
 from flashdraft.errors import ExpectedFailure
 
 
@@ -127,22 +127,24 @@ def _transfer_all(fn: Callable[[FileEntry], None], entries: list[FileEntry], job
         raise StoreError(f"{len(failures)} transfer(s) failed: " + "; ".join(failures[:5]))
 
 
-def local_manifest(src: Path, log: Callable[[str], None]) -> tuple[Manifest, bytes]:
+def local_manifest(src: Path, log: Callable[[str], None], deep: bool = True) -> tuple[Manifest, bytes]:
     """SRC's manifest as bytes, after checking SRC against it (every byte re-hashed, on all cores).
 
     A plain directory (kind `files`: no manifest yet, or one built by `manifest`/`sync`) is re-described when
     its files changed, so a same-size edit is sent; a stage's artifact that no longer verifies is refused.
+    `deep=False` checks a stage artifact's files for presence and size only (the caller hashes the rest);
+    a plain directory is always re-hashed, since that is how its changes are found.
     """
     if not src.is_dir():
         raise StoreError(f"{src} is not a directory")
+    try:
+        kind = read_manifest(src).kind if (src / MANIFEST).exists() else "files"
+    except ManifestError:
+        kind = "files"
     if not (src / MANIFEST).exists():
         write_manifest(src, built := build_manifest(src, kind="files"))
         log(f"notice: {src} had no manifest.json; built one ({len(built.files)} files)")
-    elif problems := verify_dir(src):
-        try:
-            kind = read_manifest(src).kind
-        except ManifestError:
-            kind = "files"
+    elif problems := verify_dir(src, deep=deep or kind == "files"):
         if kind != "files":
             raise VerifyFailed(str(src), problems)
         write_manifest(src, built := build_manifest(src, kind="files"))
@@ -193,16 +195,19 @@ def push(
     *,
     delete: bool = False,
     jobs: int = 8,
-    part_size: int = DEFAULT_PART_SIZE,
+    part_size: int | None = None,
     force: bool = False,
     console: Console | None = None,
     log: Callable[[str], None] = print,
 ) -> SyncResult:
     """Push the artifact at `src` to `store`. Refused before anything is written when the prefix holds an
-    artifact of another kind or lineage (unless `force`), or objects no manifest of this artifact listed."""
+    artifact of another kind or lineage (unless `force`), or objects no manifest of this artifact listed.
+    `part_size`: files larger than this go in parts of this size; None chooses (`upload_part_size`)."""
     if getattr(store, "prefix", None) == "":
         raise StoreError(f"refusing to push to the bucket root {store.url}: name a prefix (e.g. {store.url}/run1/data)")
-    manifest, raw = local_manifest(Path(src), log)
+    # A stage artifact's bytes are checked once: the files that will not be sent are re-hashed here (below), the
+    # ones that will are checked by the store against the manifest's checksums as they arrive.
+    manifest, raw = local_manifest(Path(src), log, deep=False)
     result = SyncResult("push", str(src), store.url)
     listing = store.list()
     listed = {e.path for e in manifest.files}
@@ -215,6 +220,8 @@ def push(
     to_head = [e.path for e in same_size if e.path not in present]
     present |= {r: h for r, h in zip(to_head, _parallel(store.head, to_head, jobs), strict=True) if h is not None}
     to_send = [e for e in manifest.files if not (e.path in present and present[e.path].matches(e))]
+    if manifest.kind != "files" and (problems := rehash(Path(src), [e for e in manifest.files if e not in to_send])):
+        raise VerifyFailed(str(src), problems)
     extra = [rel for rel in listing if rel != MANIFEST and rel not in listed]
     remote_manifest = claim_prefix(store, manifest.kind, manifest.lineage, force=force, log=log) \
         if MANIFEST in listing else None
@@ -241,6 +248,7 @@ def push(
     if hasattr(store, "abort_incomplete_uploads") and (aborted := store.abort_incomplete_uploads()):
         log(f"push: aborted {aborted} incomplete multipart upload(s) an earlier push left at {store.url}")
     total = sum(e.size for e in to_send)
+    part_size = part_size or upload_part_size(to_send, jobs)
     with transfer_progress(console, total, "upload") as advance:
         _transfer_all(lambda e: store.upload(Path(src) / e.path, e, advance, part_size), to_send, jobs)
     if delete:
@@ -269,6 +277,23 @@ def push(
     result.transferred, result.bytes_transferred = len(to_send), total
     result.skipped, result.verified = len(manifest.files) - len(to_send), len(manifest.files)
     return result
+
+
+def rehash(root: Path, entries: list[FileEntry]) -> list[Problem]:
+    """The local files of `entries` whose bytes no longer match the manifest."""
+    digests = digest_files(root / e.path for e in entries)
+    return [Problem(e.path, "content differs: sha256 does not match the manifest")
+            for e, d in zip(entries, digests, strict=True) if d.sha256 != e.sha256]
+
+
+def upload_part_size(to_send: list[FileEntry], jobs: int) -> int:
+    """With at least `jobs` files of some size to send, the files alone keep every connection busy: each goes
+    in one request, streamed from disk (fewest requests; the server checks it against the manifest's SHA-256).
+    With fewer, large files go in parts, so their parts fill the connections. On 1 GB in 12 files this is
+    1.4x faster than 64 MB parts and 1.1x faster than 8 MB parts (benchmarks/RESULTS.md, sync)."""
+    if sum(e.size > MIN_PART_SIZE for e in to_send) >= jobs:
+        return SINGLE_PUT_LIMIT
+    return DEFAULT_PART_SIZE
 
 
 EARLIER = f"{INTERNAL_PREFIX}earlier-files.json"  # in the store: files earlier manifests listed (see push)

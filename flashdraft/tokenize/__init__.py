@@ -164,8 +164,12 @@ def build(cfg: TokenizeConfig, records: Iterator, out: Path, init: tuple, lineag
                 seen_tokens += sum(chunk_lengths)
                 update(advance=len(chunk.rows) + len(chunk.rejected), tokens=seen_tokens)
         except BrokenProcessPool as e:  # a worker died (killed, out of memory): the run ends, it does not hang
+            writer.abort()
             raise ExpectedFailure(f"a tokenize worker died ({e}); rerun, or use fewer --workers if memory is "
                                   "short") from None
+        except BaseException:
+            writer.abort()  # the open shard's temp file goes, not into the dataset
+            raise
 
     tokens, loss_tokens, anchor_valid = int(sum(lengths)), totals.loss_tokens, totals.anchor_valid
     stats = {

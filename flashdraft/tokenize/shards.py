@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+from contextlib import ExitStack
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -43,32 +44,50 @@ def arrow_schema():
     return pa.schema(fields, metadata={"huggingface": json.dumps({"info": {"features": FEATURES}})})
 
 
+BATCH_ROWS = 1000  # rows per Arrow record batch: all the writer holds (~10 MB at 2K tokens a row)
+
+
 class ShardWriter:
-    """Arrow IPC stream files named and described as `datasets.save_to_disk` does, each written atomically."""
+    """Arrow IPC stream files named and described as `datasets.save_to_disk` does, each written atomically.
+
+    A shard is written a record batch at a time as rows arrive, so memory stays at one batch however many rows
+    a shard holds (20,000 rows of 2K tokens would be ~200 MB held, and twice that while concatenated)."""
 
     def __init__(self, out: Path, rows_per_shard: int) -> None:
         self.out, self.rows_per_shard = out, rows_per_shard
         self.schema = arrow_schema()
-        self.pending: list[tuple[str, np.ndarray, np.ndarray]] = []
+        self.pending: list[Row] = []
         self.shard_files: list[str] = []
         self.shard_stats: list[dict[str, Any]] = []
         self.counts = TokenCounts()  # counted here, as the shards are written, so train never scans them
+        self.current: tuple[ExitStack, Any] | None = None  # the open shard: its temp file's scope, its writer
 
     def add(self, rows: list[Row]) -> None:
         self.pending.extend(rows)
-        while len(self.pending) >= self.rows_per_shard:
-            self._flush(self.pending[: self.rows_per_shard])
-            self.pending = self.pending[self.rows_per_shard :]
+        while len(self.pending) >= (room := self._room()):
+            self._write(self.pending[:room])
+            self.pending = self.pending[room:]
 
-    def _flush(self, rows: list[Row]) -> None:
+    def _room(self) -> int:
+        """Rows the next batch may take: a batch never straddles two shards."""
+        return min(BATCH_ROWS, self.rows_per_shard - (self.shard_stats[-1]["rows"] if self.current else 0))
+
+    def _write(self, rows: list[Row]) -> None:
         import pyarrow as pa
 
+        if self.current is None:
+            name = f"data-{len(self.shard_files):05d}.arrow"  # renamed to -of-N once N is known
+            scope = ExitStack()
+            f = scope.enter_context(atomic_open(self.out / name))
+            self.current = (scope, scope.enter_context(pa.ipc.new_stream(f, self.schema)))
+            self.shard_files.append(name)
+            self.shard_stats.append({"rows": 0, "tokens": 0, "loss_tokens": 0})
         lengths = np.array([len(r.input_ids) for r in rows], dtype=np.int32)
         offsets = np.concatenate(([0], np.cumsum(lengths))).astype(np.int32)
         all_ids = np.concatenate([r.input_ids for r in rows]) if rows else np.zeros(0, np.int32)
         all_mask = np.concatenate([r.loss_mask for r in rows]) if rows else np.zeros(0, np.uint8)
         self.counts.add(all_ids, all_mask)
-        table = pa.Table.from_arrays(
+        batch = pa.RecordBatch.from_arrays(
             [
                 pa.array([r.id for r in rows], pa.string()),
                 pa.ListArray.from_arrays(pa.array(offsets), pa.array(all_ids, pa.int32())),
@@ -77,18 +96,32 @@ class ShardWriter:
             ],
             schema=self.schema,
         )
-        name = f"data-{len(self.shard_files):05d}.arrow"  # renamed to -of-N once N is known
-        with atomic_open(self.out / name) as f, pa.ipc.new_stream(f, self.schema) as writer:
-            writer.write_table(table)
-        self.shard_files.append(name)
-        self.shard_stats.append(
-            {"rows": len(rows), "tokens": int(lengths.sum()), "loss_tokens": int(all_mask.sum(dtype=np.int64))}
-        )
+        self.current[1].write_batch(batch)
+        stats = self.shard_stats[-1]
+        stats["rows"] += len(rows)
+        stats["tokens"] += int(lengths.sum())
+        stats["loss_tokens"] += int(all_mask.sum(dtype=np.int64))
+        if stats["rows"] >= self.rows_per_shard:
+            self._close()
+
+    def _close(self) -> None:
+        scope, _ = self.current
+        self.current = None
+        scope.close()  # ends the stream, then fsyncs the temp file and renames it into place
+
+    def abort(self) -> None:
+        """A failed run: the open shard's temp file is removed, not committed."""
+        if self.current is not None:
+            scope, _ = self.current
+            self.current = None
+            scope.__exit__(RuntimeError, RuntimeError("tokenize failed"), None)
 
     def finish(self, fingerprint: str) -> list[str]:
         if self.pending or not self.shard_files:
-            self._flush(self.pending)
+            self._write(self.pending)
             self.pending = []
+        if self.current is not None:
+            self._close()
         n = len(self.shard_files)
         final = [f"data-{i:05d}-of-{n:05d}.arrow" for i in range(n)]
         for old, new in zip(self.shard_files, final, strict=True):

@@ -71,7 +71,7 @@ from flashdraft.train.data import (
     split_heldout,
     token_counts,
 )
-from flashdraft.train.distributed import Placement, barrier, place, wrap
+from flashdraft.train.distributed import Placement, barrier, checked_once_a_node, place, wrap
 from flashdraft.train.metrics import MetricSinks, json_rates, mean_rates, truncate_metrics
 from flashdraft.train.optim import Optimizers, build_optimizers
 from flashdraft.train.step import Planned, batch_step, evaluate_heldout, plan_batch
@@ -130,7 +130,10 @@ def _run(cfg: TrainConfig, data: Path, out: Path, require_checkpoint: bool, cons
         raise BadTrainingInput(f"{theirs} was trained from other data or settings; pushing this run there would "
                                "replace it (and its replacement node would start over). Use another --push-to")
     # The input is re-hashed only when it is about to be used, not on an "already done" rerun.
-    dataset_manifest = require_verified(data, "dataset", "re-run `flashdraft tokenize`, or pull it again")
+    # Each node's first process re-hashes the dataset (the others wait): one pass a node, not one a rank.
+    checked_once_a_node(where.world, lambda: require_verified(data, "dataset",
+                                                               "re-run `flashdraft tokenize`, or pull it again"))
+    dataset_manifest = read_manifest(data)
     resume = latest_checkpoint(out, lineage, say)
     if cfg.push_to:  # the store may hold a newer checkpoint of this run (this machine replaces a dead one)
         first_on_node = int(os.environ.get("LOCAL_RANK", 0)) == 0  # each node pulls onto its own disk

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from flashdraft.config import TrainConfig
+from flashdraft.errors import ExpectedFailure
 from flashdraft.train.data import BadTrainingInput
 
 
@@ -72,15 +73,41 @@ def barrier(world: int) -> None:
         torch.distributed.barrier()
 
 
+def _collective_device() -> torch.device:
+    # nccl sends only GPU tensors; one GPU per local rank keeps two ranks of a node off the same device
+    if torch.distributed.get_backend() == "nccl":
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+    return torch.device("cpu")
+
+
+def checked_once_a_node(world: int, check: Callable[[], None]) -> None:
+    """Run `check` (re-hashing an input, say) on each node's first process only — the others read the same
+    disk — and let every process know the outcome: the failing one raises its own error, the rest say where
+    to look, so no rank trains on an input another found broken."""
+    if world == 1:
+        return check()
+    failure = None
+    if int(os.environ.get("LOCAL_RANK", 0)) == 0:
+        try:
+            check()
+        except ExpectedFailure as e:
+            failure = e
+    failed = torch.tensor([int(failure is not None)], device=_collective_device())
+    torch.distributed.all_reduce(failed, op=torch.distributed.ReduceOp.MAX)
+    if failure is not None:
+        raise failure
+    if failed.item():
+        raise ExpectedFailure("the input failed its check in the process that checked it for its node (that "
+                              "process's error line says why)")
+
+
 def from_rank_zero(world: int, compute: Callable[[], list[torch.Tensor]], count: int) -> list[torch.Tensor]:
     """`count` int64 vectors that rank 0 computes and every other rank receives: a pass over the data done once
     a run, not once a rank. Sent as tensors (broadcast_object_list would pickle)."""
     if world == 1:
         return compute()
     rank = torch.distributed.get_rank()
-    # nccl sends only GPU tensors; one GPU per local rank keeps two ranks of a node off the same device
-    nccl = torch.distributed.get_backend() == "nccl"
-    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if nccl else torch.device("cpu")
+    device = _collective_device()
     vectors = compute() if rank == 0 else None
     lengths = torch.tensor([len(v) for v in vectors] if vectors is not None else [0] * count, device=device)
     torch.distributed.broadcast(lengths, src=0)

@@ -16,7 +16,7 @@ from rich.console import Console
 
 from flashdraft.artifact.manifest import MANIFEST, FileEntry, build_manifest, read_manifest, write_manifest
 from flashdraft.artifact.store import S3Store, StoreError, open_store
-from flashdraft.artifact.sync import VerifyFailed, pull, push, transfer_progress, verify_store
+from flashdraft.artifact.sync import VerifyFailed, check_objects, pull, push, transfer_progress, verify_store
 from flashdraft.testing import TcpForwarder
 
 
@@ -84,11 +84,23 @@ def test_same_size_edit_with_old_mtime_is_sent_and_identical_files_are_not(cli, 
     assert (pulled / "f2.bin").read_bytes() == bytes(data)
 
 
-def test_stage_artifact_that_does_not_verify_is_refused(cli, tmp_path, url):
+def test_stage_artifact_that_does_not_verify_is_refused(cli, tmp_path, url, s3env):
+    """Its bytes are checked once: a file about to be sent by the store as it arrives, one already there by a
+    local re-hash before anything is written. Either way the push fails naming it, and no manifest appears."""
     a = make_artifact(tmp_path / "a", kind="dataset")
-    (a / "f0.bin").write_bytes(b"x" * 1000)
+    (a / "f0.bin").write_bytes(b"x" * 1000)  # same size, other bytes
     proc = cli("sync", "push", str(a), url)
-    assert proc.returncode == 1 and "f0.bin" in proc.stderr
+    assert proc.returncode == 1 and "f0.bin" in proc.stderr and "content differs" in proc.stderr
+    assert MANIFEST not in keys(s3env, url)
+
+    b = make_artifact(tmp_path / "b", kind="dataset")
+    other = f"{url}-b"
+    cli("sync", "push", str(b), other, check=True)
+    before = keys(s3env, other)
+    (b / "f0.bin").write_bytes(b"x" * 1000)  # the store still holds the manifest's f0.bin: nothing to send
+    proc = cli("sync", "push", str(b), other)
+    assert proc.returncode == 1 and "f0.bin" in proc.stderr and "content differs" in proc.stderr
+    assert keys(s3env, other) == before
 
 
 def test_delete_removes_unlisted_remote_files(cli, tmp_path, url, s3env):
@@ -113,9 +125,55 @@ def test_server_rejects_a_corrupted_single_part_body(tmp_path, url):
     entry = read_manifest(a).files[0]
     (a / entry.path).write_bytes(os.urandom(entry.size))  # bytes on the wire ≠ the manifest's sha256
     store = S3Store(url)
-    with pytest.raises(StoreError, match="BadDigest"):
+    with pytest.raises(StoreError, match="content differs from the manifest"):
         store.upload(a / entry.path, entry, lambda n: None)
     assert store.head(entry.path) is None
+
+
+def test_bodies_travel_unsigned_but_each_under_a_signed_checksum_the_server_checks(tmp_path, url):
+    """No second client-side SHA-256 pass to sign a body over plain HTTP: each upload request names the body's
+    checksum in a header (signed), and the server rejects a body that does not match it (the corrupted-body
+    tests around this one)."""
+    a = make_artifact(tmp_path / "a", sizes=(1000, 12 << 20))
+    store = S3Store(url)
+    seen = []
+
+    def record(request, **_):
+        headers = {k.lower(): v.decode() if isinstance(v, bytes) else v for k, v in request.headers.items()}
+        signed = headers["authorization"].split("SignedHeaders=")[1].split(",")[0].split(";")
+        seen.append((headers.get("x-amz-content-sha256"), [h for h in signed if h.startswith("x-amz-checksum-")]))
+
+    store.client.meta.events.register("before-send.s3.PutObject", record)
+    store.client.meta.events.register("before-send.s3.UploadPart", record)
+    small, large = read_manifest(a).files
+    store.upload(a / small.path, small, lambda n: None)
+    store.upload(a / large.path, large, lambda n: None, part_size=5 << 20)
+    assert len(seen) == 1 + 3  # one PUT, three parts
+    for payload, signed_checksums in seen:
+        assert payload == "UNSIGNED-PAYLOAD" and len(signed_checksums) == 1
+    assert store.head(small.path).matches(small) and store.head(large.path).matches(large)
+
+
+def test_enough_files_go_whole_and_few_large_ones_in_parts(tmp_path, s3env):
+    """Files alone fill `jobs` connections when there are that many: one request each. Fewer large files are
+    sent in parts, so their parts fill them. Both verify at the destination."""
+    requests = []
+
+    def pushed(sizes, jobs):
+        art = make_artifact(tmp_path / f"a{len(requests)}", sizes=sizes, kind="dataset")
+        store = S3Store(f"s3://flashdraft/t-{uuid.uuid4().hex[:10]}/art", jobs=jobs)
+        seen = []
+        for op in ("PutObject", "UploadPart"):
+            store.client.meta.events.register(f"before-send.s3.{op}", lambda request, op=op, **_: seen.append(op))
+        push(art, store, jobs=jobs, log=lambda s: None)
+        requests.append(seen)
+        assert check_objects(store, read_manifest(art), jobs=2) == []
+        return sorted(seen)
+
+    # 3 files past the part floor, 3 jobs: each whole (+ the manifest and the earlier-files note)
+    assert pushed((6 << 20, 6 << 20, 17 << 20), jobs=3).count("UploadPart") == 0
+    # the same 3 files with 8 jobs: the 17 MB one goes in 8 MB parts
+    assert pushed((6 << 20, 6 << 20, 17 << 20), jobs=8).count("UploadPart") == 3
 
 
 def test_multipart_upload_is_checked_full_object(tmp_path, url, s3env):

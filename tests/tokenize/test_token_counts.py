@@ -110,3 +110,28 @@ def test_rank_zero_counts_and_the_other_rank_receives(tmp_path):
     assert proc.returncode == 0, proc.stderr[-2000:]
     expected = repr([list(range(7)), [3, 1, 4]])
     assert (tmp_path / "got.0").read_text() == expected == (tmp_path / "got.1").read_text()
+
+
+def test_shards_are_written_a_record_batch_at_a_time(tmp_path, smollm2_dir, monkeypatch):
+    """The writer holds one batch of rows, not a shard's worth: shards are streams of batches that never
+    straddle two shards, and they read back as the rows in order."""
+    import pyarrow as pa
+
+    import flashdraft.tokenize.shards as shards
+
+    monkeypatch.setattr(shards, "BATCH_ROWS", 10)
+    records = [conv(f"Question {i}?", f"Answer {i}.") for i in range(60)]
+    src = write_jsonl(tmp_path / "c.jsonl", records)
+    cfg = TokenizeConfig(tokenizer=smollm2_dir, workers=1, rows_per_shard=25, min_loss_fraction=0.0)
+    stats = run(cfg, src, tmp_path / "ds", log=lambda s: None)
+    files = [s["file"] for s in stats["shards"]]
+    batches = []
+    for name in files:
+        with pa.ipc.open_stream(pa.memory_map(str(tmp_path / "ds" / name))) as reader:
+            batches.append([b.num_rows for b in reader])
+    assert batches == [[10, 10, 5], [10, 10, 5], [10]]
+    assert [s["rows"] for s in stats["shards"]] == [25, 25, 10]
+    monkeypatch.setattr(shards, "BATCH_ROWS", 1000)  # one shard, one batch: the same rows in the same order
+    whole = TokenizeConfig(tokenizer=smollm2_dir, workers=1, min_loss_fraction=0.0)
+    run(whole, src, tmp_path / "one", log=lambda s: None)
+    assert list(load_from_disk(str(tmp_path / "ds"))) == list(load_from_disk(str(tmp_path / "one")))

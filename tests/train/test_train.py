@@ -314,6 +314,23 @@ def torchrun(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:
                           env=dict(os.environ, OMP_NUM_THREADS="1"), timeout=timeout)
 
 
+def test_under_torchrun_a_dataset_that_does_not_verify_stops_every_process(tiny_target, tiny_dataset, tmp_path):
+    """One process a node re-hashes the dataset; the one that finds it broken names the file, the other says
+    where to look, and neither trains."""
+    broken = tmp_path / "ds"
+    shutil.copytree(tiny_dataset, broken)
+    shard = next(broken.glob("data-*.arrow"))
+    data = bytearray(shard.read_bytes())
+    data[-10] ^= 0xFF  # same size, other content
+    shard.write_bytes(bytes(data))
+    cfg = write_config(tmp_path / "c.yaml", tiny_target, batch_size=1, max_steps=2)
+    proc = torchrun("train", "--config", str(cfg), "--data", str(broken), "--out", str(tmp_path / "out"))
+    said = proc.stdout + proc.stderr
+    assert proc.returncode != 0 and f"{shard.name}" in said and "does not verify" in said
+    assert "failed its check in the process that checked it for its node" in said
+    assert not (tmp_path / "out" / "checkpoints").exists() and not (tmp_path / "out" / "metrics.jsonl").exists()
+
+
 @pytest.mark.slow
 def test_fsdp_checkpoints_save_restore_and_export_the_whole_drafter(tiny_target, tiny_dataset, tmp_path):
     """FSDP on 2 CPU processes (gloo): each checkpoint holds the whole drafter (gathered from the shards) and
