@@ -183,8 +183,8 @@ def main() -> None:
         ratio = f"{full / base[1]:.2f}" if base else "—"
         vs_aws = f"{full / aws[1]:.2f}" if aws else "—"
         lines.append(
-            f"| {tool} | {full:.2f} | {ratio} | {vs_aws} | {total_bytes / full / 1e6:.0f} | {noop:.2f} | {noop_bytes:,} | "
-            f"{noop_small:.2f} | {'yes' if caught else '**no**'} |"
+            f"| {tool} | {full:.2f} | {ratio} | {vs_aws} | {total_bytes / full / 1e6:.0f} | {noop:.2f} | "
+            f"{noop_bytes:,} | {noop_small:.2f} | {'yes' if caught else '**no**'} |"
         )
     lines += [
         "",
