@@ -27,6 +27,7 @@ import shlex
 import socket
 import sys
 import threading
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from datetime import UTC, datetime
@@ -184,12 +185,18 @@ def holder() -> dict[str, Any]:
             "since": datetime.now(UTC).isoformat(timespec="seconds")}
 
 
-def _describe_holder(path: Path) -> str:
-    try:
-        info = json.loads(path.read_text())
-        return f"`{info['command']}` (pid {info['pid']} on {info['host']}, since {info['since']})"
-    except (OSError, ValueError, KeyError, TypeError):
-        return "another process (it has not said which yet)"
+def _describe_holder(path: Path, wait_s: float = 2.0) -> str:
+    """The holder as its lock file names it. A holder writes its name just after it takes the lock, so a
+    refusal in that instant waits briefly for the name instead of reporting an anonymous holder."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            info = json.loads(path.read_text())
+            return f"`{info['command']}` (pid {info['pid']} on {info['host']}, since {info['since']})"
+        except (OSError, ValueError, KeyError, TypeError):
+            if time.monotonic() >= deadline:
+                return "another process (it has not said which yet)"
+            time.sleep(0.02)
 
 
 @contextmanager
