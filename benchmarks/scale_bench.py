@@ -168,24 +168,32 @@ train:
     return path
 
 
-def one_size(n: int, work: Path, url: str, store: str, env: dict) -> dict:
+STAGES = ("generate", "tokenize", "verify", "sync push", "status", "train start-up", "estimate")
+
+
+def one_size(n: int, work: Path, url: str, store: str, env: dict, only: tuple[str, ...] = STAGES) -> dict:
     shutil.rmtree(work, ignore_errors=True)  # every stage measured building, not as an "already done" rerun
     work.mkdir(parents=True)
     prompts(work / "prompts.jsonl", n)
     cfg = pipeline_config(work, url)
     fd = [sys.executable, "-m", "flashdraft"]
+    commands = {
+        "generate": [*fd, "generate", "--config", str(cfg), "--out", str(work / "generate"), "--json"],
+        "tokenize": [*fd, "tokenize", "--config", str(cfg), "--input", str(work / "generate"), "--out",
+                     str(work / "dataset"), "--json"],
+        "verify": [*fd, "verify", str(work / "dataset")],
+        "sync push": [*fd, "sync", "push", str(work / "dataset"), f"{store}/dataset"],
+        "status": [*fd, "status", "--config", str(cfg), "--store", store],
+        "train start-up": [*fd, "train", "--config", str(cfg), "--data", str(work / "dataset"), "--out",
+                           str(work / "train")],
+        "estimate": [*fd, "estimate", str(cfg), "--json"],
+    }
     stages = {}
-    stages["generate"] = measure([*fd, "generate", "--config", str(cfg), "--out", str(work / "generate"),
-                                  "--json"], env)
-    stages["tokenize"] = measure([*fd, "tokenize", "--config", str(cfg), "--input", str(work / "generate"),
-                                  "--out", str(work / "dataset"), "--json"], env)
-    stages["verify"] = measure([*fd, "verify", str(work / "dataset")], env)
-    stages["sync push"] = measure([*fd, "sync", "push", str(work / "dataset"), f"{store}/dataset"], env)
-    stages["status"] = measure([*fd, "status", "--config", str(cfg), "--store", store], env)
-    stages["train start-up"] = measure([*fd, "train", "--config", str(cfg), "--data", str(work / "dataset"),
-                                        "--out", str(work / "train")], env, first_step=work / "train" / "metrics.jsonl")
-    stages["estimate"] = measure([*fd, "estimate", str(cfg), "--json"], env)
-    tokens = stages["tokenize"].get("json", {}).get("tokens")
+    for stage in STAGES:  # each needs only the stages before it (generate and estimate need none)
+        if stage in only:
+            first_step = work / "train" / "metrics.jsonl" if stage == "train start-up" else None
+            stages[stage] = measure(commands[stage], env, first_step=first_step)
+    tokens = stages.get("tokenize", {}).get("json", {}).get("tokens")
     return {"samples": n, "tokens": tokens, "stages": stages}
 
 
@@ -199,9 +207,9 @@ def report(runs: list[dict], command: str) -> list[str]:
     sizes = " / ".join(f"{r['samples']:,}" for r in runs)
     lines = [f"## scale: every stage at {sizes} samples ({datetime.now(UTC):%Y-%m-%d %H:%M} UTC)", "",
              f"`{command}`", "",
-             "Seed-shaped synthetic conversations, " + ", ".join(
+             "Seed-shaped synthetic conversations" + ("" if not first["tokens"] else ", " + ", ".join(
                  f"{r['samples']:,} = {r['tokens'] / 1e6:.1f}M tokens" for r in runs if r["tokens"])
-             + f" ({first['tokens'] / first['samples']:,.0f} a sample; the seeds': ~2,070). "
+                 + f" ({first['tokens'] / first['samples']:,.0f} a sample; the seeds': ~2,070)") + ". "
              f"Time ∝ N^a between {first['samples']:,} and {last['samples']:,}; RSS change = peak RSS at the "
              "largest size ÷ at the smallest; projection to the reference run's 902,087 samples.", "",
              "| stage | " + " | ".join(f"s @ {r['samples']:,}" for r in runs) + " | a | "
@@ -225,6 +233,8 @@ def main() -> None:
     ap.add_argument("--sizes", default="10000,30000,90000")
     ap.add_argument("--work", type=Path, default=Path("/tmp/flashdraft-scale"))
     ap.add_argument("--no-record", action="store_true", help="print only; do not append to RESULTS.md")
+    ap.add_argument("--stages", default=",".join(STAGES),
+                    help="which stages to measure; each needs the ones before it, except generate and estimate")
     ap.add_argument("--json", type=Path, help="also write the raw measurements here")
     ap.add_argument("--serve", type=Path, help=argparse.SUPPRESS)  # internal: run the endpoint
     args = ap.parse_args()
@@ -249,7 +259,8 @@ def main() -> None:
                        HF_HUB_OFFLINE="1")
             runs = []
             for n in sizes:
-                runs.append(one_size(n, args.work / f"n{n}", url, f"s3://{s3.bucket}/scale/n{n}", env))
+                runs.append(one_size(n, args.work / f"n{n}", url, f"s3://{s3.bucket}/scale/n{n}", env,
+                                     tuple(args.stages.split(","))))
                 print(json.dumps({"samples": n, **{k: {m: v for m, v in s.items() if m != "json"}
                                                    for k, s in runs[-1]["stages"].items()}}), flush=True)
     finally:

@@ -94,15 +94,21 @@ def _local_ref(ref: str) -> str:
 
 def prompt_lengths(source: str, tokenizer_ref: str, sample: int = 2000) -> tuple[int, float, str]:
     """(prompts after dedupe, mean prompt tokens, how that mean was measured)."""
-    from flashdraft.generate.prompts import load_prompts
+    import itertools
 
+    from flashdraft.generate.prompts import PromptSet, iter_prompts
+
+    def stream():
+        return iter_prompts(source, PromptSet())
+
+    # Two streaming passes (count, then every n-th prompt), so a 900K-prompt file is never held whole.
     try:
-        prompts = load_prompts(source).prompts
+        count = sum(1 for _ in stream())
     except (OSError, BadInput) as e:
         raise EstimateError(f"cannot read the prompts ({source}): {e}; pass --num-prompts N") from None
-    if not prompts:
+    if not count:
         raise EstimateError(f"no usable prompts in {source}")
-    picked = prompts[:: max(1, len(prompts) // sample)][:sample]
+    picked = list(itertools.islice(stream(), 0, None, max(1, count // sample)))[:sample]
     try:
         from transformers import AutoTokenizer
 
@@ -115,7 +121,7 @@ def prompt_lengths(source: str, tokenizer_ref: str, sample: int = 2000) -> tuple
         chars = sum(len(m["content"]) for p in picked for m in p.messages)
         tokens = chars / CHARS_PER_TOKEN + sum(len(p.messages) for p in picked) * TEMPLATE_TOKENS_PER_MESSAGE
         how = f"≈ {CHARS_PER_TOKEN:g} characters per token (tokenizer not on this machine)"
-    return len(prompts), tokens / len(picked), how
+    return count, tokens / len(picked), how
 
 
 def drafter_params(shape: TargetShape, num_layers: int, n_features: int) -> int:

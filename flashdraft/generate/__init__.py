@@ -14,9 +14,10 @@ A rerun skips committed batches, so after a crash at any moment it ends with exa
 
 from __future__ import annotations
 
+import itertools
 import json
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -45,10 +46,11 @@ from flashdraft.generate.backends import Completion, context_rejections, make_ba
 from flashdraft.generate.prompts import (
     BUILTIN,
     Prompt,
+    PromptSet,
     Rejected,
     builtin_prompts,
     in_shard,
-    load_prompts,
+    iter_prompts,
     thinking_for,
 )
 from flashdraft.generate.turns import regenerate
@@ -173,22 +175,20 @@ def _run_locked(cfg: GenerateConfig, out: Path, upload_to: str | None, console, 
         return json.loads((out / MANIFEST).read_text())["stats"]
     claim_output(out, lineage)
 
-    prompt_set = load_prompts(cfg.prompts)
-    if not prompt_set.prompts:
+    # Two streaming passes over the prompt file, so memory holds ids, not 900K prompts: the first finds this
+    # shard's prompts (and the hf target's too-long ones) and so the batches; the second reads the prompts of
+    # the batches still to do, as it reaches them.
+    prompt_set = PromptSet()
+    batches = batch_ids(cfg, prompt_set, log)
+    if not batches and not prompt_set.valid:
         atomic_write_text(out / "rejected.jsonl", jsonl([r.to_json() for r in prompt_set.rejected]))
         raise BadInput(f"no prompts in {cfg.prompts}: {len(prompt_set.rejected)} line(s) rejected "
                        f"(reasons in {out / 'rejected.jsonl'}); nothing to generate")
-    mine = [p for p in prompt_set.prompts if in_shard(p.id, cfg.shard_index, cfg.num_shards)][: cfg.max_prompts]
-    mine = [replace(p, thinking=thinking_for(p, cfg.thinking, cfg.thinking_ratio)) for p in mine]
-    too_long = context_rejections(cfg, mine, log)
-    prompt_set.rejected.extend(Rejected(None, too_long[p.id], id=p.id) for p in mine if p.id in too_long)
-    mine = [p for p in mine if p.id not in too_long]
-    batches = [mine[i : i + cfg.batch_size] for i in range(0, len(mine), cfg.batch_size)]
     todo = {k: missing for k in range(len(batches)) if (missing := uncommitted(out, k, batches[k]))}
     retried = sum(1 for k in todo if (out / batch_name(k)).is_file())
     log(
-        f"generate: {len(mine)} prompts (shard {cfg.shard_index}/{cfg.num_shards}), {len(batches)} batches, "
-        f"{len(batches) - len(todo)} already committed, {retried} with failed requests to retry; "
+        f"generate: {sum(map(len, batches))} prompts (shard {cfg.shard_index}/{cfg.num_shards}), {len(batches)} "
+        f"batches, {len(batches) - len(todo)} already committed, {retried} with failed requests to retry; "
         f"{len(prompt_set.rejected)} rejected lines, {prompt_set.duplicates} duplicates dropped"
     )
     store = _open_upload_store(upload_to)
@@ -199,9 +199,11 @@ def _run_locked(cfg: GenerateConfig, out: Path, upload_to: str | None, console, 
 
     if todo:
         backend = make_backend(cfg, log)
-        total, tokens, started = sum(len(prompts) for prompts in todo.values()), 0, time.perf_counter()
+        total, tokens, started = sum(len(ids) for ids in todo.values()), 0, time.perf_counter()
         with progress(console, "generate {task.fields[tps]} tok/s", total=total, tps="–") as update:
-            for k, prompts in todo.items():
+            for k, batch in batch_prompts(cfg, batches, set(todo)):
+                missing = set(todo[k])
+                prompts = [p for p in batch if p.id in missing]
                 answered = regenerate(backend, prompts, cfg.turns, seed=cfg.seed + k)
                 commit_batch(out, k, batches[k], prompts, answered, backend.model_name, cfg)
                 completions = [done for _, done in answered]
@@ -224,6 +226,54 @@ def _run_locked(cfg: GenerateConfig, out: Path, upload_to: str | None, console, 
     return stats
 
 
+CONTEXT_CHUNK = 1024  # prompts checked against the hf target's context at a time
+
+
+def shard_prompts(cfg: GenerateConfig, tally: PromptSet) -> Iterator[Prompt]:
+    """This shard's prompts in file order (at most max_prompts), each in its thinking mode; read as a stream."""
+    kept = 0
+    for p in iter_prompts(cfg.prompts, tally):
+        tally.valid += 1
+        if in_shard(p.id, cfg.shard_index, cfg.num_shards) and (cfg.max_prompts is None or kept < cfg.max_prompts):
+            kept += 1
+            yield replace(p, thinking=thinking_for(p, cfg.thinking, cfg.thinking_ratio))
+
+
+def batch_ids(cfg: GenerateConfig, tally: PromptSet, log) -> list[list[str]]:
+    """Pass 1: the ids of every batch, in order. Prompts too long for the hf target's context are rejected
+    (into `tally`) before batching, so batches never change between runs."""
+    ids, too_long = [], []
+    stream = shard_prompts(cfg, tally)
+    while chunk := list(itertools.islice(stream, CONTEXT_CHUNK)):
+        rejected = context_rejections(cfg, chunk, log)
+        too_long.extend(Rejected(None, rejected[p.id], id=p.id) for p in chunk if p.id in rejected)
+        ids.extend(p.id for p in chunk if p.id not in rejected)
+    tally.rejected.extend(too_long)
+    return [ids[i : i + cfg.batch_size] for i in range(0, len(ids), cfg.batch_size)]
+
+
+def batch_prompts(cfg: GenerateConfig, batches: list[list[str]], wanted: set[int]
+                  ) -> Iterator[tuple[int, list[Prompt]]]:
+    """Pass 2: the prompts of each wanted batch, read again from the file as the stream reaches them."""
+    if not wanted:
+        return
+    where = {pid: k for k, ids in enumerate(batches) if k in wanted for pid in ids}
+    current, k = [], min(wanted)
+    for p in shard_prompts(cfg, PromptSet()):
+        if where.get(p.id) != k:
+            continue
+        current.append(p)
+        if len(current) == len(batches[k]):
+            if [q.id for q in current] != batches[k]:
+                raise BadInput(f"{cfg.prompts} changed while generate ran: rerun to start from what it holds now")
+            yield k, current
+            wanted = wanted - {k}
+            if not wanted:
+                return
+            current, k = [], min(wanted)
+    raise BadInput(f"{cfg.prompts} changed while generate ran (batch {k} is no longer all there): rerun")
+
+
 def read_batch(out: Path, k: int) -> list[dict[str, Any]]:
     """The records of committed batch k; a file changed after it was committed is named, not trusted."""
     path = out / batch_name(k)
@@ -237,18 +287,18 @@ def read_batch(out: Path, k: int) -> list[dict[str, Any]]:
     return records
 
 
-def uncommitted(out: Path, k: int, batch: list[Prompt]) -> list[Prompt]:
-    """The prompts of batch k that still need a completion: all of them if the batch was never committed, else
+def uncommitted(out: Path, k: int, batch: list[str]) -> list[str]:
+    """The ids of batch k that still need a completion: all of them if the batch was never committed, else
     those whose requests failed (listed in its errors file, not in its batch file)."""
     if not (out / batch_name(k)).is_file():
         return batch
     if not (out / errors_name(k)).is_file():
         return []
     done = {r["id"] for r in read_batch(out, k)}
-    return [p for p in batch if p.id not in done]
+    return [pid for pid in batch if pid not in done]
 
 
-def commit_batch(out: Path, k: int, batch: list[Prompt], prompts: list[Prompt],
+def commit_batch(out: Path, k: int, batch: list[str], prompts: list[Prompt],
                  answered: list[tuple[list[dict[str, Any]], Completion]], model: str, cfg: GenerateConfig) -> None:
     """Commit batch k after `prompts` (all of it, or the ones that failed before) were answered.
 
@@ -259,7 +309,7 @@ def commit_batch(out: Path, k: int, batch: list[Prompt], prompts: list[Prompt],
     new = {p.id: to_record(p, history, c, model, cfg)
            for p, (history, c) in zip(prompts, answered, strict=True) if c.error is None}
     by_id = {r["id"]: r for r in kept} | new
-    records = [by_id[p.id] for p in batch if p.id in by_id]  # in prompt order, whatever was retried
+    records = [by_id[pid] for pid in batch if pid in by_id]  # in prompt order, whatever was retried
     failed = [{"id": p.id, "messages": p.messages, "reason": c.error}
               for p, (_, c) in zip(prompts, answered, strict=True) if c.error is not None]
     if not kept and failed:

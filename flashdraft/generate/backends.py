@@ -64,22 +64,32 @@ def make_backend(cfg: GenerateConfig, log=print):
 # ---------------------------------------------------------------------------------------------- hf
 
 
+_CONTEXTS: dict[str, tuple[Any, int | None]] = {}
+
+
+def _context_of(model: str, log) -> tuple[Any, int | None]:
+    """The hf target's tokenizer and context length, loaded once however many chunks of prompts are checked."""
+    if model not in _CONTEXTS:
+        from transformers import AutoConfig, AutoTokenizer
+
+        from flashdraft.model.resolve import resolve_model
+
+        path = resolve_model(model, log=log)
+        config = AutoConfig.from_pretrained(path)
+        context = getattr(getattr(config, "text_config", config), "max_position_embeddings", None)
+        _CONTEXTS[model] = (AutoTokenizer.from_pretrained(path) if context is not None else None), context
+    return _CONTEXTS[model]
+
+
 def context_rejections(cfg: GenerateConfig, prompts: list[Prompt], log=print) -> dict[str, str]:
     """hf backend: the prompts whose rendered tokens plus max_new_tokens exceed the target's context, each with
     the reason. They are rejected before generation (a model past its context writes garbage, not an error).
     Other backends: the server checks, and a request it refuses is an error record."""
     if cfg.backend != "hf" or not prompts:
         return {}
-    from transformers import AutoConfig, AutoTokenizer
-
-    from flashdraft.model.resolve import resolve_model
-
-    path = resolve_model(cfg.model, log=log)
-    config = AutoConfig.from_pretrained(path)
-    context = getattr(getattr(config, "text_config", config), "max_position_embeddings", None)
+    tokenizer, context = _context_of(cfg.model, log)
     if context is None:
         return {}
-    tokenizer = AutoTokenizer.from_pretrained(path)
     rejected = {}
     for prompt in prompts:
         text = tokenizer.apply_chat_template(prompt.messages, tools=prompt.tools, add_generation_prompt=True,

@@ -68,6 +68,7 @@ class PromptSet:
     prompts: list[Prompt] = field(default_factory=list)
     rejected: list[Rejected] = field(default_factory=list)
     duplicates: int = 0
+    valid: int = 0  # prompts that parsed, each id once (counted by generate's streaming pass)
 
 
 def normalize(record: Any) -> Prompt:
@@ -128,7 +129,8 @@ def _table_records(path: Path) -> Iterator[tuple[int, Any, str]]:
     else:
         import pyarrow.parquet as pq
 
-        rows = pq.read_table(path).to_pylist()
+        # a record batch at a time: a 900K-prompt file is never one Python list
+        rows = (row for batch in pq.ParquetFile(path).iter_batches(batch_size=1024) for row in batch.to_pylist())
     for number, row in enumerate(rows, start=1):
         yield number, row, ""
 
@@ -147,8 +149,9 @@ def read_records(source: str) -> Iterator[tuple[int, Any, str]]:
         yield from _jsonl_records(path)
 
 
-def load_prompts(source: str) -> PromptSet:
-    out = PromptSet()
+def iter_prompts(source: str, tally: PromptSet) -> Iterator[Prompt]:
+    """The valid prompts of `source` in order, each id once, read as a stream; the rejected lines and the
+    duplicate count go into `tally` (whose `prompts` stays empty: only ids are kept, to drop duplicates)."""
     seen: set[str] = set()
     for number, record, raw in read_records(source):
         try:
@@ -156,13 +159,18 @@ def load_prompts(source: str) -> PromptSet:
                 raise record
             prompt = normalize(record)
         except BadRecord as e:
-            out.rejected.append(Rejected(number, str(e), raw.rstrip("\n")))
+            tally.rejected.append(Rejected(number, str(e), raw.rstrip("\n")))
             continue
         if prompt.id in seen:
-            out.duplicates += 1
+            tally.duplicates += 1
             continue
         seen.add(prompt.id)
-        out.prompts.append(prompt)
+        yield prompt
+
+
+def load_prompts(source: str) -> PromptSet:
+    out = PromptSet()
+    out.prompts = list(iter_prompts(source, out))
     return out
 
 

@@ -147,3 +147,28 @@ def test_eval_measures_by_default_on_prompts_no_shipped_training_set_shares_a_te
     for trained in (GenerateConfig().prompts, "builtin:chat+chat-more+demo"):
         assert templated_like(load_prompts(trained).prompts, judged) == [], trained
     assert templated_like(load_prompts("builtin:demo").prompts, load_prompts("builtin:demo-heldout").prompts)
+
+
+def test_generate_reads_prompts_in_two_streaming_passes_that_must_agree(tmp_path):
+    """generate holds ids, not prompts: pass 1 batches the ids, pass 2 reads each batch still to do as the
+    stream reaches it. A file changed between the two is one clear error, not batches of other prompts."""
+    from flashdraft.config import GenerateConfig
+    from flashdraft.generate import batch_ids, batch_prompts
+    from flashdraft.generate.prompts import PromptSet
+
+    src = tmp_path / "p.jsonl"
+    lines = [json.dumps({"messages": [{"role": "user", "content": f"question {i}"}]}) for i in range(10)]
+    src.write_text("\n".join(lines + ["not json", lines[3]]) + "\n")
+    cfg = GenerateConfig(prompts=str(src), batch_size=4, max_prompts=9)
+    tally = PromptSet()
+    batches = batch_ids(cfg, tally, log=lambda s: None)
+    assert [len(b) for b in batches] == [4, 4, 1] and tally.prompts == []  # max_prompts 9, ids only
+    assert tally.duplicates == 1 and len(tally.rejected) == 1 and tally.valid == 10
+    expected = {p.id: p for p in load_prompts(str(src)).prompts}
+    got = dict(batch_prompts(cfg, batches, {0, 2}))  # batch 1 already committed: not read into memory
+    assert sorted(got) == [0, 2]
+    assert [p.id for p in got[0]] == batches[0] and [p.messages for p in got[2]] == [expected[batches[2][0]].messages]
+
+    src.write_text("\n".join(lines[:8] + lines[9:]) + "\n")  # batch 2's prompt is gone
+    with pytest.raises(BadInput, match="changed while generate ran"):
+        list(batch_prompts(cfg, batches, {2}))
