@@ -228,6 +228,18 @@ def report(runs: list[dict], command: str) -> list[str]:
     return lines
 
 
+WORK_MARKER = ".flashdraft-scale-bench"  # in --work: this benchmark made it, so it may clear what is inside
+
+
+def claim_work(work: Path) -> None:
+    """The benchmark deletes and rebuilds its own subdirectories of `work` on every run: only in a directory
+    it made (or an empty one), never in one that holds anything else."""
+    if work.exists() and any(work.iterdir()) and not (work / WORK_MARKER).is_file():
+        raise SystemExit(f"{work} holds files this benchmark did not make; pass an empty or new --work")
+    work.mkdir(parents=True, exist_ok=True)
+    (work / WORK_MARKER).touch()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--sizes", default="10000,30000,90000")
@@ -244,7 +256,7 @@ def main() -> None:
     from flashdraft.testing import seaweed_server
 
     sizes = [int(s) for s in args.sizes.split(",")]
-    args.work.mkdir(parents=True, exist_ok=True)
+    claim_work(args.work)
     port_file = args.work / "endpoint.port"
     port_file.unlink(missing_ok=True)
     endpoint = subprocess.Popen([sys.executable, __file__, "--serve", str(port_file)])

@@ -108,7 +108,8 @@ def prompt_lengths(source: str, tokenizer_ref: str, sample: int = 2000) -> tuple
         raise EstimateError(f"cannot read the prompts ({source}): {e}; pass --num-prompts N") from None
     if not count:
         raise EstimateError(f"no usable prompts in {source}")
-    picked = list(itertools.islice(stream(), 0, None, max(1, count // sample)))[:sample]
+    step = max(1, count // sample)
+    picked = list(itertools.islice(stream(), 0, step * sample, step))  # prompts[::step][:sample], streamed
     try:
         from transformers import AutoTokenizer
 

@@ -27,3 +27,14 @@ def test_scale_bench_measures_every_stage_at_its_smallest_size(tmp_path):
         assert run["stages"]["tokenize"]["json"]["samples"] == run["samples"]
         assert 0 < run["stages"]["train start-up"]["to_first_step_s"] < run["stages"]["train start-up"]["seconds"]
     assert "| train start-up |" in proc.stdout and "projected s @ 902K" in proc.stdout
+
+
+def test_scale_bench_clears_only_a_work_dir_it_made(tmp_path):
+    """It deletes and rebuilds its subdirectories of --work on every run, so a --work holding anything it did
+    not make is refused before anything is touched."""
+    (tmp_path / "n20").mkdir()
+    (tmp_path / "n20" / "notes.txt").write_text("mine")
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "scale_bench.py"), "--sizes", "20",
+                           "--work", str(tmp_path), "--no-record"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1 and "did not make" in proc.stderr
+    assert (tmp_path / "n20" / "notes.txt").read_text() == "mine"

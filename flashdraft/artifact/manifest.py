@@ -337,10 +337,7 @@ def verify_dir(root: str | Path, deep: bool = True, jobs: int | None = None) -> 
         elif deep:
             to_hash.append((entry, path))
 
-    digests = digest_files((p for _, p in to_hash), jobs)
-    for (entry, _), digest in zip(to_hash, digests, strict=True):
-        if digest.sha256 != entry.sha256:
-            problems.append(Problem(entry.path, "content differs: sha256 does not match the manifest"))
+    problems += content_problems(root, [entry for entry, _ in to_hash], jobs)
 
     listed = {e.path for e in manifest.files}
     for rel in list_data_files(root):
@@ -349,6 +346,13 @@ def verify_dir(root: str | Path, deep: bool = True, jobs: int | None = None) -> 
         elif rel not in listed:
             problems.append(Problem(rel, "unlisted file: not in the manifest"))
     return problems
+
+
+def content_problems(root: Path, entries: list[FileEntry], jobs: int | None = None) -> list[Problem]:
+    """The files of `entries` under `root` whose bytes no longer match the manifest (re-hashed on all cores)."""
+    digests = digest_files((root / e.path for e in entries), jobs)
+    return [Problem(e.path, "content differs: sha256 does not match the manifest")
+            for e, d in zip(entries, digests, strict=True) if d.sha256 != e.sha256]
 
 
 class NotVerified(ExpectedFailure):

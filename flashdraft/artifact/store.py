@@ -243,7 +243,7 @@ class S3Store:
             response_checksum_validation="when_required",
             # Over plain HTTP (an in-cluster SeaweedFS/MinIO) botocore would otherwise read and SHA-256 every body
             # a second time to sign it. Every body flashdraft sends carries its own checksum header (the manifest's
-            # SHA-256, a part's CRC64NVME, the whole object's CRC64NVME on completion), which the signature covers
+            # CRC64NVME or SHA-256, a part's CRC64NVME, the whole object's on completion), which the signature covers
             # and the server checks before an object appears; so the body need not be signed too (botocore's own
             # choice over HTTPS).
             s3={"payload_signing_enabled": False},

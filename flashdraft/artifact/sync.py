@@ -31,6 +31,7 @@ from flashdraft.artifact.manifest import (
     ManifestError,
     Problem,
     build_manifest,
+    content_problems,
     digest_files,
     list_data_files,
     parse_manifest,
@@ -220,7 +221,9 @@ def push(
     to_head = [e.path for e in same_size if e.path not in present]
     present |= {r: h for r, h in zip(to_head, _parallel(store.head, to_head, jobs), strict=True) if h is not None}
     to_send = [e for e in manifest.files if not (e.path in present and present[e.path].matches(e))]
-    if manifest.kind != "files" and (problems := rehash(Path(src), [e for e in manifest.files if e not in to_send])):
+    sending = {e.path for e in to_send}
+    kept = [e for e in manifest.files if e.path not in sending]
+    if manifest.kind != "files" and (problems := content_problems(Path(src), kept)):
         raise VerifyFailed(str(src), problems)
     extra = [rel for rel in listing if rel != MANIFEST and rel not in listed]
     remote_manifest = claim_prefix(store, manifest.kind, manifest.lineage, force=force, log=log) \
@@ -256,9 +259,8 @@ def push(
             store.delete(rel)
         result.deleted = len(extra)
 
-    sent = {e.path for e in to_send}
     confirmed: dict = {}
-    known = {k: v for k, v in present.items() if k not in sent}
+    known = {k: v for k, v in present.items() if k not in sending}
     problems = check_objects(store, manifest, jobs, known=known, confirmed=confirmed)
     if problems:
         raise VerifyFailed(store.url, problems)
@@ -279,16 +281,9 @@ def push(
     return result
 
 
-def rehash(root: Path, entries: list[FileEntry]) -> list[Problem]:
-    """The local files of `entries` whose bytes no longer match the manifest."""
-    digests = digest_files(root / e.path for e in entries)
-    return [Problem(e.path, "content differs: sha256 does not match the manifest")
-            for e, d in zip(entries, digests, strict=True) if d.sha256 != e.sha256]
-
-
 def upload_part_size(to_send: list[FileEntry], jobs: int) -> int:
     """With at least `jobs` files of some size to send, the files alone keep every connection busy: each goes
-    in one request, streamed from disk (fewest requests; the server checks it against the manifest's SHA-256).
+    in one request, streamed from disk (fewest requests; the server checks it against the manifest's checksum).
     With fewer, large files go in parts, so their parts fill the connections. On 1 GB in 12 files this is
     1.4x faster than 64 MB parts and 1.1x faster than 8 MB parts (benchmarks/RESULTS.md, sync)."""
     if sum(e.size > MIN_PART_SIZE for e in to_send) >= jobs:

@@ -163,12 +163,11 @@ def build(cfg: TokenizeConfig, records: Iterator, out: Path, init: tuple, lineag
                 lengths.extend(chunk_lengths)
                 seen_tokens += sum(chunk_lengths)
                 update(advance=len(chunk.rows) + len(chunk.rejected), tokens=seen_tokens)
-        except BrokenProcessPool as e:  # a worker died (killed, out of memory): the run ends, it does not hang
-            writer.abort()
-            raise ExpectedFailure(f"a tokenize worker died ({e}); rerun, or use fewer --workers if memory is "
-                                  "short") from None
-        except BaseException:
+        except BaseException as e:
             writer.abort()  # the open shard's temp file goes, not into the dataset
+            if isinstance(e, BrokenProcessPool):  # a worker died (killed, out of memory): the run ends, no hang
+                raise ExpectedFailure(f"a tokenize worker died ({e}); rerun, or use fewer --workers if memory is "
+                                      "short") from None
             raise
 
     tokens, loss_tokens, anchor_valid = int(sum(lengths)), totals.loss_tokens, totals.anchor_valid
