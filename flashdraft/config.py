@@ -108,6 +108,16 @@ class TrainConfig(Section):
     muon_lr: PositiveFloat | None = None  # None: 10 × lr
     muon_momentum: Fraction = 0.95
     muon_weight_decay: NonNegativeFloat = 0.1
+    # "dflash2": DFlash plus a grouped dynamic causal convolution around every sublayer and a candidate selector
+    # that re-ranks the LM head's top-K with the token drafted before (model/dflash2.py). Full vocabulary only.
+    architecture: Literal["dflash", "dflash2"] = "dflash"
+    conv_kernel_size: Positive = 2  # DFlash2: taps of each convolution, within the block
+    conv_group_size: Positive = 16  # DFlash2: channels sharing one predicted kernel
+    selector_rank: Positive = 256  # DFlash2: rank of the selector's codebooks (2 · vocabulary · rank parameters)
+    selector_top_k: Positive = 16  # DFlash2: the LM head's candidates the selector re-ranks at each slot
+    # DFlash2: weight of the selector's cross-entropy over those candidates, added to the DFlash loss (a label
+    # outside the top-K adds nothing; how often that happens is the `unary_recall_at_k` metric)
+    selector_loss_weight: NonNegativeFloat = 1.0
     checkpoint_every: Positive = 200  # optimizer steps; also at every epoch end
     keep_checkpoints: Positive = 3  # newest complete checkpoints kept locally; older ones are deleted
     push_to: str | None = None  # local dir or s3:// URL each checkpoint and the drafter are pushed to, verified
@@ -142,6 +152,12 @@ class TrainConfig(Section):
         if self.labels == "target" and self.features == "offline" and not self.distill_topk:
             raise ValueError("labels: target with features: offline reads the target's argmax from the cache's "
                              "top-k: set distill_topk ≥ 1 (and distill_weight: 0 for the hard labels only)")
+        if self.architecture == "dflash2" and self.draft_vocab_size:
+            raise ValueError("architecture: dflash2 scores the full vocabulary (its codebooks are indexed by target "
+                             "ids, and the engines load it so): drop draft_vocab_size")
+        if self.architecture == "dflash2" and self.sliding_window:
+            raise ValueError("architecture: dflash2 with sliding_window is not supported yet: readers disagree on "
+                             "whether a sliding DFlash2 layer is causal within the block; drop sliding_window")
         if self.loss == "dpace" and self.loss_decay_gamma is not None:
             raise ValueError("loss_decay_gamma sets the decay loss's weights; with loss: dpace the weights come from "
                              "the draft's confidence (dpace_alpha): drop one of them")

@@ -1,10 +1,12 @@
-"""Lossless DFlash speculative decoding of one prompt, and the target-only / prompt-lookup baselines.
+"""Lossless DFlash / DFlash2 speculative decoding of one prompt, and the target-only / prompt-lookup baselines.
 
-One step (`SpecDecoder.generate`): the drafter proposes K−1 tokens in one pass from [anchor, MASK…] over its
-cached context; the target verifies [anchor, drafts] in one pass; the longest matching prefix is accepted plus
+One step (`SpecDecoder.step`): the drafter proposes K−1 tokens in one pass from [anchor, MASK…] over its
+cached context (DFlash2: then walks the block from the anchor, re-ranking each slot's top-K′ with the token
+before it); the target verifies [anchor, drafts] in one pass; the longest matching prefix is accepted plus
 the target's own next token (the bonus, the next anchor); the target's KV cache is cropped to what was accepted
 and the accepted positions' features are appended to the drafter's context cache. With temperature > 0 drafts
-are accepted with probability min(1, p/q) and rejections resampled from (p − q)+.
+are accepted with probability min(1, p/q) and rejections resampled from (p − q)+, q being the distribution each
+draft was drawn from.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from flashdraft.model.dflash2 import is_dflash2
 from flashdraft.model.drafter import DFlashDrafter
 from flashdraft.model.objective import acceptance_length, block_attention_mask
 from flashdraft.model.target import Target
@@ -82,8 +85,37 @@ def _linear_layers(cache) -> list:
     return [layer for layer in cache.layers if isinstance(layer, LinearAttentionCacheLayerMixin)]
 
 
+class Sampler:
+    """Decoding's randomness, as its two kinds of draw: a token from a distribution, and an acceptance with a given
+    probability. Kept behind one object so that a test can replace it with one that walks every outcome of a step
+    with its exact probability (tests/evaluate/test_sampling.py), instead of sampling and hoping."""
+
+    def __init__(self, generator: torch.Generator | None = None) -> None:
+        self.generator = generator
+
+    def token(self, probs: torch.Tensor) -> int:
+        return int(torch.multinomial(probs.float(), 1, generator=self.generator))
+
+    def accept(self, probability: float) -> bool:
+        device = self.generator.device if self.generator is not None else "cpu"
+        return float(torch.rand((), generator=self.generator, device=device)) < probability
+
+
+@dataclass
+class Decoding:
+    """One prompt's decoding state between steps: the target's cache and the drafter's context keys/values hold
+    exactly the accepted tokens; `anchor` (the last one emitted) sits at `position`."""
+
+    cache: TargetCache
+    ctx_kv: list
+    anchor: int
+    position: int
+    tokens: list[int]
+    accepted: list[int] = field(default_factory=list)
+
+
 class SpecDecoder:
-    """Speculative decoding of one prompt at a time with a DFlash drafter over the frozen target."""
+    """Speculative decoding of one prompt at a time with a DFlash or DFlash2 drafter over the frozen target."""
 
     def __init__(self, target: Target, drafter: DFlashDrafter, stop_ids: set[int]) -> None:
         self.target, self.drafter, self.stop_ids = target, drafter.eval(), stop_ids
@@ -110,66 +142,93 @@ class SpecDecoder:
         return {"full_attention": None, "sliding_attention": swa.to(device)}
 
     @torch.inference_mode()
-    def generate(self, prompt_ids: list[int], max_new_tokens: int, temperature: float = 0.0, generator=None) -> Decoded:
-        k, started = self.drafter.block_size, time.perf_counter()
+    def generate(self, prompt_ids: list[int], max_new_tokens: int, temperature: float = 0.0, generator=None,
+                 sampler: Sampler | None = None) -> Decoded:
+        started, sampler = time.perf_counter(), sampler or Sampler(generator)
+        state = self.start(prompt_ids, temperature, sampler)
+        while len(state.tokens) < max_new_tokens and state.anchor not in self.stop_ids:
+            emitted = self.step(state, temperature, sampler)
+            if self.stop_ids & set(emitted):
+                first_stop = next(i for i, t in enumerate(state.tokens) if t in self.stop_ids)
+                del state.tokens[first_stop + 1 :]
+                break
+        return Decoded(state.tokens[:max_new_tokens], state.accepted, time.perf_counter() - started)
+
+    def start(self, prompt_ids: list[int], temperature: float, sampler: Sampler) -> Decoding:
+        """The prompt through the target (its cache and the drafter's context filled) and the first token."""
         device = self.lm_head.weight.device
         state = TargetCache(self.target.config)
         logits, features = self._target_pass(torch.tensor([prompt_ids], device=device), state.cache)
         ctx_kv = self.drafter.context_kv(features, torch.arange(len(prompt_ids), device=device)[None])
-        anchor = int(_pick(logits[0, -1], temperature, generator))
-        tokens, accepted, position = [anchor], [], len(prompt_ids)  # position: where the anchor sits
-        while len(tokens) < max_new_tokens and anchor not in self.stop_ids:
-            block = torch.full((1, k), self.drafter.mask_token_id, device=device)
-            block[0, 0] = anchor
-            positions = torch.arange(position, position + k, device=device)[None]
-            hidden = self.drafter.decode(self.embed(block), positions, self._masks(position, device), ctx_kv=ctx_kv)
-            draft_logits = self.drafter.to_target_vocab(  # K−1 proposals, each for its own position
-                hidden[0, 1:].to(self.draft_head.dtype) @ self.draft_head.T, self.target.config.vocab_size
-            )
-            drafts = _pick(draft_logits, temperature, generator)
-            block[0, 1:] = drafts
-            snapshot = state.snapshot()
-            target_logits, features = self._target_pass(block, state.cache)
-            n, bonus = _verify(drafts, draft_logits, target_logits[0], temperature, generator)
-            state.keep(block, n + 1, snapshot, self._target_pass)  # the anchor and the accepted drafts
-            new_kv = self.drafter.context_kv(features[:, : n + 1], positions[:, : n + 1])
-            ctx_kv = [(torch.cat([k0, k1], dim=2), torch.cat([v0, v1], dim=2))
-                      for (k0, v0), (k1, v1) in zip(ctx_kv, new_kv, strict=True)]
-            emitted = drafts[:n].tolist() + [bonus]
-            tokens.extend(emitted)
-            accepted.append(n)
-            position, anchor = position + n + 1, bonus
-            if self.stop_ids & set(emitted):
-                first_stop = next(i for i, t in enumerate(tokens) if t in self.stop_ids)
-                tokens = tokens[: first_stop + 1]
-                break
-        return Decoded(tokens[:max_new_tokens], accepted, time.perf_counter() - started)
+        anchor = _pick(logits[0, -1], temperature, sampler)
+        return Decoding(state, ctx_kv, anchor, len(prompt_ids), [anchor])
+
+    def step(self, state: Decoding, temperature: float, sampler: Sampler) -> list[int]:
+        """One draft-and-verify step: the tokens it emits (the accepted drafts, then the target's own next one)."""
+        k, device = self.drafter.block_size, self.lm_head.weight.device
+        block = torch.full((1, k), self.drafter.mask_token_id, device=device)
+        block[0, 0] = state.anchor
+        positions = torch.arange(state.position, state.position + k, device=device)[None]
+        hidden = self.drafter.decode(self.embed(block), positions, self._masks(state.position, device),
+                                     ctx_kv=state.ctx_kv)
+        drafts, q = self._draft(hidden[0], state.anchor, temperature, sampler)
+        block[0, 1:] = drafts
+        snapshot = state.cache.snapshot()
+        target_logits, features = self._target_pass(block, state.cache.cache)
+        n, bonus = _verify(drafts, q, target_logits[0], temperature, sampler)
+        state.cache.keep(block, n + 1, snapshot, self._target_pass)  # the anchor and the accepted drafts
+        new_kv = self.drafter.context_kv(features[:, : n + 1], positions[:, : n + 1])
+        state.ctx_kv = [(torch.cat([k0, k1], dim=2), torch.cat([v0, v1], dim=2))
+                        for (k0, v0), (k1, v1) in zip(state.ctx_kv, new_kv, strict=True)]
+        emitted = drafts[:n].tolist() + [bonus]
+        state.tokens.extend(emitted)
+        state.accepted.append(n)
+        state.position, state.anchor = state.position + n + 1, bonus
+        return emitted
+
+    def _draft(self, hidden_KD, anchor: int, temperature: float, sampler: Sampler):
+        """The K−1 drafts of a block, and at T > 0 the distribution q each was drawn from (for verification).
+        DFlash: each slot from its own logits. DFlash2: a walk from the anchor through the selector's re-ranked
+        top-K′ — q is softmax(score / T) over those K′ candidates and 0 elsewhere, still an exact distribution,
+        so rejection sampling against it stays lossless (tests/evaluate/test_sampling.py enumerates it)."""
+        logits = self.drafter.unary_logits(hidden_KD[1:].to(self.draft_head.dtype) @ self.draft_head.T)
+        logits = self.drafter.to_target_vocab(logits, self.target.config.vocab_size)  # each slot its own position
+        if not is_dflash2(self.drafter):
+            if temperature <= 0:
+                return logits.argmax(-1), None
+            q = torch.softmax(logits.float() / temperature, dim=-1)
+            return torch.tensor([sampler.token(row) for row in q], device=logits.device), q
+        if temperature <= 0:
+            drafts, _, _ = self.drafter.walk(logits, hidden_KD[1:], anchor, lambda score: score.argmax())
+            return drafts, None
+        drafts, candidates, scores = self.drafter.walk(
+            logits, hidden_KD[1:], anchor, lambda score: sampler.token(torch.softmax(score.float() / temperature, -1)))
+        q = torch.zeros(logits.shape, dtype=torch.float32, device=logits.device)
+        q.scatter_(1, candidates, torch.softmax(scores.float() / temperature, dim=-1))
+        return drafts, q
 
 
-def _pick(logits: torch.Tensor, temperature: float, generator) -> torch.Tensor:
+def _pick(logits: torch.Tensor, temperature: float, sampler: Sampler) -> int:
     if temperature <= 0:
-        return logits.argmax(-1)
-    probs = torch.softmax(logits.float() / temperature, dim=-1)
-    return torch.multinomial(probs.view(-1, probs.shape[-1]), 1, generator=generator).view(probs.shape[:-1])
+        return int(logits.argmax(-1))
+    return sampler.token(torch.softmax(logits.float() / temperature, dim=-1))
 
 
-def _verify(drafts, draft_logits, target_logits, temperature: float, generator) -> tuple[int, int]:
-    """(accepted drafts n, bonus token). target_logits[j] is the target's distribution for block position j+1."""
+def _verify(drafts, q, target_logits, temperature: float, sampler: Sampler) -> tuple[int, int]:
+    """(accepted drafts n, bonus token). target_logits[j] is the target's distribution for block position j+1;
+    q[j] the distribution draft j was drawn from (T > 0)."""
     if temperature <= 0:
         predicted = target_logits.argmax(-1)
         matches = (drafts == predicted[:-1]).int()
         n = int(matches.cumprod(0).sum())
         return n, int(predicted[n])
     p = torch.softmax(target_logits.float() / temperature, dim=-1)
-    q = torch.softmax(draft_logits.float() / temperature, dim=-1)
     for j, token in enumerate(drafts.tolist()):
-        u = torch.rand((), generator=generator, device=p.device)
-        if u * q[j, token] <= p[j, token]:  # accept with probability min(1, p/q)
+        if sampler.accept(min(1.0, float(p[j, token] / q[j, token]))):
             continue
-        residual = (p[j] - q[j]).clamp(min=0)
-        residual = residual / residual.sum() if residual.sum() > 0 else p[j]
-        return j, int(torch.multinomial(residual, 1, generator=generator))
-    return len(drafts), int(torch.multinomial(p[-1], 1, generator=generator))
+        residual = (p[j] - q[j]).clamp(min=0)  # rejected: resample from where the target wants more than q gave
+        return j, sampler.token(residual / residual.sum() if residual.sum() > 0 else p[j])
+    return len(drafts), sampler.token(p[-1])
 
 
 # ------------------------------------------------------------------------------------- the lossless check

@@ -174,6 +174,8 @@ class DraftLayer(nn.Module):
 class DFlashDrafter(nn.Module):
     """Trainable parts only: the shared embedding and LM head stay in the (frozen) target."""
 
+    layer_class = DraftLayer  # DFlash2 (model/dflash2.py) wraps each sublayer in a convolution
+
     def __init__(self, config: Qwen3Config) -> None:
         super().__init__()
         self.config = config
@@ -183,7 +185,7 @@ class DFlashDrafter(nn.Module):
         d = config.hidden_size
         self.fc = nn.Linear(len(self.target_layer_ids) * d, d, bias=False)
         self.hidden_norm = nn.RMSNorm(d, eps=config.rms_norm_eps)
-        self.layers = nn.ModuleList(DraftLayer(config) for _ in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(self.layer_class(config) for _ in range(config.num_hidden_layers))
         self.layer_types: list[str] = list(getattr(config, "layer_types", None) or
                                            ["full_attention"] * config.num_hidden_layers)
         sliding = "sliding_attention" in self.layer_types
@@ -233,6 +235,10 @@ class DFlashDrafter(nn.Module):
         full = draft_logits.new_full((*draft_logits.shape[:-1], vocab_size), float("-inf"))
         full[..., ids.to(full.device)] = draft_logits
         return full
+
+    def unary_logits(self, logits: torch.Tensor) -> torch.Tensor:
+        """The LM head's logits as this drafter scores them: as they are (DFlash2 applies the target's scaling)."""
+        return logits
 
     @staticmethod
     def _init(module: nn.Module) -> None:

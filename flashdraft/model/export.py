@@ -1,8 +1,14 @@
-"""Export and load drafters in the z-lab DFlash format that SGLang (`--speculative-algorithm DFLASH`) and vLLM
+"""Export and load drafters in the z-lab format that SGLang (`--speculative-algorithm DFLASH`) and vLLM
 (`method: dflash`) load: `config.json` (Qwen3-shaped draft architecture, `architectures: [DFlashDraftModel]`,
 `block_size`, `num_target_layers`, `dflash_config.{mask_token_id, target_layer_ids}`) + `model.safetensors`
 (fc, hidden_norm, layers.*, norm — the embedding and LM head are the target's) + `modeling_dflash.py`, which
 `auto_map` names, so `AutoModel.from_pretrained(dir, trust_remote_code=True)` gives the drafter as trained.
+
+A DFlash2 drafter is written in z-lab's published DFlash2 contract: `architectures: [DFlash2DraftModel]`,
+`dflash_config` adds `block_size`, the convolution and selector settings, `output_multiplier` and
+`final_logit_softcapping`; `is_causal: false`; the tensors add `layers.N.{attention,mlp}_conv.base_kernel` /
+`.kernel_projection.weight` and `candidate_selector.{predecessor,successor}_codebook` /
+`.hidden_projection.weight`.
 
     from flashdraft.model.export import save_drafter, load_drafter
 """
@@ -22,6 +28,8 @@ from transformers import Qwen3Config
 from flashdraft.artifact.atomic import atomic_write_text, write_safetensors
 from flashdraft.artifact.manifest import commit_dir
 from flashdraft.errors import BadInput
+from flashdraft.model.dflash2 import SETTINGS as DFLASH2_SETTINGS
+from flashdraft.model.dflash2 import DFlash2Drafter, is_dflash2
 from flashdraft.model.drafter import DFlashDrafter
 
 REQUIRED = ("block_size", "num_target_layers", "dflash_config")
@@ -38,15 +46,20 @@ def export_config(drafter: DFlashDrafter, dtype: str = "bfloat16") -> dict[str, 
     under both names; the transformers version that wrote it."""
     config = drafter.config.to_dict()
     rope = dict(config.get("rope_parameters") or {})
-    config["architectures"] = ["DFlashDraftModel"]
-    config["auto_map"] = {"AutoModel": f"{MODELING_FILE.stem}.DFlashDraftModel"}
+    architecture = "DFlash2DraftModel" if is_dflash2(drafter) else "DFlashDraftModel"
+    config["architectures"] = [architecture]
+    config["auto_map"] = {"AutoModel": f"{MODELING_FILE.stem}.{architecture}"}
     config["rope_theta"] = rope.get("rope_theta", 10_000.0)
     if rope.get("rope_type", "default") != "default":
         config["rope_scaling"] = {k: v for k, v in rope.items() if k != "rope_theta"}
     config["dtype"] = config["torch_dtype"] = dtype
-    # No causality flag: a `sliding_attention` layer is causal within the block and a `full_attention` one is
-    # not — the default of the z-lab reference and vLLM (`is_causal` / `dflash_config.causal` would override
-    # every layer at once) and what SGLang always does; training masks the same way (objective.py).
+    # No causality flag for DFlash: a `sliding_attention` layer is causal within the block and a `full_attention`
+    # one is not — the default of the z-lab reference and vLLM (`is_causal` / `dflash_config.causal` would override
+    # every layer at once) and what SGLang always does; training masks the same way (objective.py). DFlash2 (full
+    # attention only) states `is_causal: false`, as z-lab's published DFlash2 config does: readers differ on its
+    # default there.
+    if is_dflash2(drafter):
+        config["is_causal"] = False
     return config
 
 
@@ -77,9 +90,15 @@ def load_drafter(path: str | Path, device: str | torch.device = "cpu", dtype=tor
     """Read a drafter exported by `save_drafter` or any z-lab DFlash checkpoint directory."""
     path = Path(path)
     raw = json.loads((path / "config.json").read_text())
+    dflash = raw.get("dflash_config") or {}
+    if "block_size" not in raw and "block_size" in dflash:  # a DFlash2 config may keep it in dflash_config only
+        raw["block_size"] = dflash["block_size"]
     missing = [key for key in REQUIRED if key not in raw]
     if missing:
         raise BadInput(f"{path}/config.json is not a DFlash drafter config: missing {', '.join(missing)}")
+    dflash2 = raw.get("architectures", [None])[0] == "DFlash2DraftModel"
+    if dflash2 and (absent := [key for key in DFLASH2_SETTINGS if key not in dflash]):
+        raise BadInput(f"{path}/config.json is a DFlash2 config without dflash_config.{', '.join(absent)}")
     # transformers 4.x-style configs (top-level rope_theta, no rope_parameters) read the same way: 5.x folds
     # rope_theta into rope_parameters.
     skip = ("architectures", "model_type", "torch_dtype", "auto_map")
@@ -88,7 +107,7 @@ def load_drafter(path: str | Path, device: str | torch.device = "cpu", dtype=tor
     config.block_size, config.num_target_layers = raw["block_size"], raw["num_target_layers"]
     config.dflash_config = raw["dflash_config"]
     config.draft_vocab_size = raw.get("draft_vocab_size")
-    drafter = DFlashDrafter(config)
+    drafter = DFlash2Drafter(config) if dflash2 else DFlashDrafter(config)
     try:
         state = load_file(str(path / "model.safetensors"))
         state.pop("lm_head.weight", None)  # a reduced vocabulary's head rows: the target's, read from the target

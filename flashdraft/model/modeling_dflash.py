@@ -11,6 +11,10 @@ past_key_values)` → hidden states, `compute_logits(hidden, output_head)`), so 
 drafters runs on ours. What it computes is flashdraft's: `tests/model/test_remote_code.py` checks the forward
 pass equals `flashdraft.model.drafter.DFlashDrafter` on the same weights.
 
+DFlash2 (`DFlash2DraftModel`, z-lab / Inco AI, 2026) is the same model plus, in every layer, a grouped dynamic
+causal convolution around the attention and the MLP (`BlockConv`), and a candidate selector that re-ranks the
+LM head's top-K for each block slot with the token drafted before it (`CandidateSelector`, `propose`).
+
 Attention: queries come from the block (`noise_embedding`); keys/values are the projected target context
 followed by the block. A `full_attention` layer sees every key; a `sliding_attention` layer sees keys
 within `sliding_window` positions and is causal (the convention the engines share). Key positions are the
@@ -82,6 +86,90 @@ class DFlashMLP(nn.Module):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
+class BlockConv(nn.Module):
+    """DFlash2's grouped dynamic causal convolution over the positions of each block (never the target context):
+    out[i, c] = Σ_t (base[t, c] + δ[i, t, g(c)]) · x[i − t, c], for taps t < kernel_size, where δ is predicted
+    from the sublayer's input by `kernel_projection` (one projection gives both the input-side kernel, side 0,
+    and the output-side one, side 1) and is shared by `group_size` channels. A tap that would reach before the
+    block's first position reads zero, so blocks never mix. Identity at initialisation: base tap 0 is 1, the
+    other taps and the projection 0."""
+
+    def __init__(self, hidden_size: int, kernel_size: int, group_size: int, block_size: int) -> None:
+        super().__init__()
+        self.kernel_size, self.group_size, self.block_size = kernel_size, group_size, block_size
+        self.groups = hidden_size // group_size
+        self.base_kernel = nn.Parameter(torch.zeros(2, kernel_size, hidden_size))
+        self.kernel_projection = nn.Linear(hidden_size, 2 * kernel_size * self.groups, bias=False)
+        self.reset_parameters()
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        self.base_kernel.zero_()
+        self.base_kernel[:, 0] = 1.0
+        self.kernel_projection.weight.zero_()
+
+    def _convolve(self, x, delta, side: int) -> torch.Tensor:
+        """x: (B, S, D) with S whole blocks; delta: (B, S, taps, groups)."""
+        b, s, d = x.shape
+        k = self.block_size
+        blocks = x.reshape(b, s // k, k, self.groups, self.group_size)
+        delta = delta.reshape(b, s // k, k, self.kernel_size, self.groups, 1)
+        out = torch.zeros((), dtype=x.dtype, device=x.device)
+        for tap in range(self.kernel_size):
+            # x[i − tap] within the block: shifted down by `tap` positions, zeros in front
+            shifted = blocks if tap == 0 else F.pad(blocks[:, :, : k - tap], (0, 0, 0, 0, tap, 0))
+            base = self.base_kernel[side, tap].view(self.groups, self.group_size)
+            out = out + shifted * (base + delta[:, :, :, tap])
+        return out.reshape(b, s, d)
+
+    def prepare(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The convolved sublayer input, and the output-side kernel predicted from that same input."""
+        delta = self.kernel_projection(x).view(*x.shape[:-1], 2, self.kernel_size, self.groups)
+        return self._convolve(x, delta[..., 0, :, :], 0), delta[..., 1, :, :]
+
+    def finish(self, y: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
+        return self._convolve(y, delta, 1)
+
+
+class CandidateSelector(nn.Module):
+    """DFlash2's re-ranking of the LM head's top-K at each block slot: score(c) = unary[c] + ⟨E_p[previous] ⊙ P·h,
+    E_s[c]⟩ with rank-r codebooks (bare parameters, no `.weight`). The successor codebook starts at zero, so a
+    fresh selector keeps the LM head's order."""
+
+    def __init__(self, vocab_size: int, hidden_size: int, rank: int) -> None:
+        super().__init__()
+        self.predecessor_codebook = nn.Parameter(torch.empty(vocab_size, rank))
+        self.successor_codebook = nn.Parameter(torch.empty(vocab_size, rank))
+        self.hidden_projection = nn.Linear(hidden_size, rank, bias=False)
+        self.reset_parameters()
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        nn.init.normal_(self.predecessor_codebook, std=0.02)
+        nn.init.normal_(self.hidden_projection.weight, std=0.02)
+        self.successor_codebook.zero_()
+
+    def transition(self, hidden, previous_ids, candidate_ids) -> torch.Tensor:
+        """hidden (…, D), previous_ids (…), candidate_ids (…, K) → the pairwise term of each candidate (…, K)."""
+        context = self.predecessor_codebook[previous_ids] * self.hidden_projection(hidden)
+        return (context.unsqueeze(-2) * self.successor_codebook[candidate_ids]).sum(-1)
+
+    def scores(self, unary, hidden, previous_ids, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the unary top-K ids, their scores) at each slot: unary logits (…, V) and hidden (…, D)."""
+        candidates = unary.topk(top_k, dim=-1).indices
+        pairwise = self.transition(hidden, previous_ids, candidates)
+        return candidates, unary.gather(-1, candidates) + pairwise.to(unary.dtype)
+
+
+def logit_transform(logits: torch.Tensor, multiplier: float, softcap: float) -> torch.Tensor:
+    """The target's own scaling of its LM head output (DFlash2's `output_multiplier`, `final_logit_softcapping`)."""
+    if multiplier != 1.0:
+        logits = logits * multiplier
+    if softcap > 0:
+        logits = softcap * torch.tanh(logits / softcap)
+    return logits
+
+
 class DFlashDecoderLayer(nn.Module):
     def __init__(self, config: Qwen3Config, layer_idx: int) -> None:
         super().__init__()
@@ -95,22 +183,43 @@ class DFlashDecoderLayer(nn.Module):
         return hidden + self.mlp(self.post_attention_layernorm(hidden))
 
 
+class DFlash2DecoderLayer(DFlashDecoderLayer):
+    """A DFlash layer with a `BlockConv` around its attention and around its MLP (inside the residual)."""
+
+    def __init__(self, config: Qwen3Config, layer_idx: int) -> None:
+        super().__init__(config, layer_idx)
+        c = config.dflash_config
+        shape = (config.hidden_size, c["conv_kernel_size"], c["conv_group_size"], _block_size(config))
+        self.attention_conv, self.mlp_conv = BlockConv(*shape), BlockConv(*shape)
+
+    def forward(self, hidden, context, cos, sin, past_key_values=None) -> torch.Tensor:
+        x, kernel = self.attention_conv.prepare(self.input_layernorm(hidden))
+        hidden = hidden + self.attention_conv.finish(self.self_attn(x, context, cos, sin, past_key_values), kernel)
+        x, kernel = self.mlp_conv.prepare(self.post_attention_layernorm(hidden))
+        return hidden + self.mlp_conv.finish(self.mlp(x), kernel)
+
+
+def _block_size(config) -> int:
+    return config.dflash_config.get("block_size") or config.block_size
+
+
 class DFlashDraftModel(Qwen3PreTrainedModel):
     """Draft layers only: the token embedding and (full-vocabulary) LM head are the target's."""
 
     config_class = Qwen3Config
     _no_split_modules = ["DFlashDecoderLayer"]
+    layer_class = DFlashDecoderLayer
 
     def __init__(self, config: Qwen3Config) -> None:
         super().__init__(config)
         dflash = config.dflash_config
-        self.block_size = config.block_size
+        self.block_size = _block_size(config)
         self.mask_token_id = dflash["mask_token_id"]
         self.target_layer_ids = list(dflash["target_layer_ids"])
         d = config.hidden_size
         self.fc = nn.Linear(len(self.target_layer_ids) * d, d, bias=False)
         self.hidden_norm = nn.RMSNorm(d, eps=config.rms_norm_eps)
-        self.layers = nn.ModuleList(DFlashDecoderLayer(config, i) for i in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(self.layer_class(config, i) for i in range(config.num_hidden_layers))
         self.norm = nn.RMSNorm(d, eps=config.rms_norm_eps)
         self.rotary_emb = Qwen3RotaryEmbedding(config)
         # A reduced draft vocabulary (vLLM's convention): its own LM head of `draft_vocab_size` rows and
@@ -145,3 +254,36 @@ class DFlashDraftModel(Qwen3PreTrainedModel):
         full = draft.new_full((*draft.shape[:-1], self.config.vocab_size), float("-inf"))
         full[..., ids] = draft
         return full
+
+
+class DFlash2DraftModel(DFlashDraftModel):
+    """DFlash2: `forward` gives the hidden state of every block slot, as for DFlash; `compute_logits` scales the
+    target head's logits as the target does; `propose` walks the block from the anchor, re-ranking each slot's
+    top-K with the token chosen before it (greedy)."""
+
+    _no_split_modules = ["DFlash2DecoderLayer"]
+    layer_class = DFlash2DecoderLayer
+
+    def __init__(self, config: Qwen3Config) -> None:
+        super().__init__(config)
+        c = config.dflash_config
+        self.top_k = c["selector_top_k"]
+        self.output_multiplier = float(c.get("output_multiplier", 1.0))
+        self.final_logit_softcapping = float(c.get("final_logit_softcapping") or 0.0)
+        self.candidate_selector = CandidateSelector(config.vocab_size, config.hidden_size, c["selector_rank"])
+        self.post_init()  # again, now that the selector exists
+
+    def compute_logits(self, hidden: torch.Tensor, output_head: nn.Module) -> torch.Tensor:
+        return logit_transform(output_head(hidden), self.output_multiplier, self.final_logit_softcapping)
+
+    def propose(self, hidden: torch.Tensor, anchor_ids: torch.Tensor, output_head: nn.Module):
+        """hidden (B, K, D) of a block, slot 0 the anchor's; anchor_ids (B) → (the greedy path B × (K − 1), the
+        candidates it chose from B × (K − 1) × top_k)."""
+        previous, path, candidates = anchor_ids, [], []
+        for slot in range(1, hidden.shape[1]):
+            unary = self.compute_logits(hidden[:, slot], output_head)
+            ids, scores = self.candidate_selector.scores(unary, hidden[:, slot], previous, self.top_k)
+            previous = ids.gather(-1, scores.argmax(-1, keepdim=True)).squeeze(-1)
+            path.append(previous)
+            candidates.append(ids)
+        return torch.stack(path, dim=1), torch.stack(candidates, dim=1)

@@ -45,6 +45,8 @@ from flashdraft.artifact.manifest import (
 from flashdraft.artifact.ownership import adopt, claim_output, output_lock
 from flashdraft.config import TrainConfig
 from flashdraft.layout import CHECKPOINTS, DRAFTER
+from flashdraft.model.dflash2 import SETTINGS as DFLASH2_SETTINGS
+from flashdraft.model.dflash2 import DFlash2Drafter, dflash2_config, is_dflash2
 from flashdraft.model.drafter import DFlashDrafter, draft_config
 from flashdraft.model.export import save_drafter
 from flashdraft.model.objective import expected_acceptance_length
@@ -72,7 +74,7 @@ from flashdraft.train.data import (
     token_counts,
 )
 from flashdraft.train.distributed import Placement, barrier, checked_once_a_node, place, wrap
-from flashdraft.train.metrics import MetricSinks, json_rates, mean_rates, truncate_metrics
+from flashdraft.train.metrics import MetricSinks, json_rates, mean_rates, selector_metrics, truncate_metrics
 from flashdraft.train.optim import Optimizers, build_optimizers
 from flashdraft.train.step import Planned, batch_step, evaluate_heldout, plan_batch
 
@@ -203,7 +205,7 @@ def whole_drafter(s: Setup) -> DFlashDrafter:
 
     # The weights only (not the optimizer state a checkpoint also gathers); every rank takes part, rank 0 gets them.
     weights = get_model_state_dict(s.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-    whole = DFlashDrafter(s.drafter.config)
+    whole = type(s.drafter)(s.drafter.config)
     if s.where.rank == 0:
         whole.load_state_dict(weights)
     return whole
@@ -228,7 +230,7 @@ class Setup:
 
 def setup(cfg: TrainConfig, data: Path, out: Path, target_path: str, where: Placement, console, say) -> Setup:
     target = Target(target_path, where.target_device, say, cfg.target_dtype)
-    imported = import_drafter(cfg.init_from, target.config, say) if cfg.init_from else None
+    imported = import_drafter(cfg, target.config, say) if cfg.init_from else None
     block_size = imported.block_size if imported is not None else cfg.block_size
     dataset = load_dataset_checked(data, block_size, target.config.vocab_size, cfg.max_length)
     counts = token_counts(data, dataset, where.world)
@@ -242,7 +244,10 @@ def setup(cfg: TrainConfig, data: Path, out: Path, target_path: str, where: Plac
                               mask_token_id=pick_mask_token(cfg, target.config, target.path, counts),
                               target_layer_ids=cfg.target_layer_ids, draft_vocab_size=cfg.draft_vocab_size,
                               sliding_window=cfg.sliding_window)
-        drafter = DFlashDrafter(config)
+        if cfg.architecture == "dflash2":
+            drafter = DFlash2Drafter(dflash2_config(config, target.config, **dflash2_settings(cfg)))
+        else:
+            drafter = DFlashDrafter(config)
         if cfg.init_from_target:
             drafter.init_from_target(attention_layers(target.decoder))
         if cfg.draft_vocab_size:
@@ -265,11 +270,17 @@ def setup(cfg: TrainConfig, data: Path, out: Path, target_path: str, where: Plac
                  steps_per_epoch, total_steps)
 
 
-def import_drafter(path: str, target_config, say) -> DFlashDrafter:
+def dflash2_settings(cfg: TrainConfig) -> dict:
+    return {name: getattr(cfg, name) for name in DFLASH2_SETTINGS}
+
+
+def import_drafter(cfg: TrainConfig, target_config, say) -> DFlashDrafter:
     """An existing z-lab-format drafter (a published one, to fine-tune on your data), checked against the
-    target: its shape, the target layers it reads and the vocabulary must be this target's."""
+    target: its shape, the target layers it reads and the vocabulary must be this target's. With
+    `train.architecture: dflash2`, a DFlash drafter is the backbone of a new DFlash2 one (warm start)."""
     from flashdraft.model.export import load_drafter
 
+    path = cfg.init_from
     drafter = load_drafter(path)
     c = drafter.config
     mismatches = [f"{what} {mine} vs the target's {theirs}" for what, mine, theirs in (
@@ -281,8 +292,20 @@ def import_drafter(path: str, target_config, say) -> DFlashDrafter:
         mismatches.append(f"target layers {drafter.target_layer_ids} beyond its {target_config.num_hidden_layers}")
     if mismatches:
         raise BadTrainingInput(f"--init-from {path} was made for another target: {'; '.join(mismatches)}")
-    say(f"train: starting from {path}: {len(drafter.layers)} layers, block {drafter.block_size}, target layers "
-        f"{drafter.target_layer_ids}, mask token {drafter.mask_token_id} (its settings, not train.num_layers etc.)")
+    kind = "DFlash2" if is_dflash2(drafter) else "DFlash"
+    if cfg.architecture == "dflash" and is_dflash2(drafter):
+        raise BadTrainingInput(f"--init-from {path} is a DFlash2 drafter: set train.architecture: dflash2 to "
+                               "train it further")
+    say(f"train: starting from {path} ({kind}): {len(drafter.layers)} layers, block {drafter.block_size}, target "
+        f"layers {drafter.target_layer_ids}, mask token {drafter.mask_token_id} (its settings, not train.num_layers "
+        "etc.)")
+    if cfg.architecture == "dflash2" and not is_dflash2(drafter):
+        if drafter.draft_vocab_size or drafter.sliding_window:
+            raise BadTrainingInput(f"--init-from {path} has a reduced vocabulary or sliding-window layers, which "
+                                   "DFlash2 does not support yet: warm-start from a full-vocabulary, full-attention one")
+        drafter = DFlash2Drafter.warm_start(drafter, target_config, **dflash2_settings(cfg))
+        say("train: DFlash2 warm start: the DFlash drafter's weights as the backbone, convolutions and candidate "
+            "selector at identity (it proposes what the DFlash drafter proposes until it trains)")
     return drafter
 
 
@@ -426,4 +449,5 @@ def step_metrics(step: int, epoch: int, results: list[dict], loss: float, world:
         "simulated_acceptance_length": round(expected_acceptance_length(rates), 4),
         "tokens_per_s": round(tokens * world / max(seconds, 1e-9), 1),
         "lr": optimizers.last_lr(),
+        **selector_metrics(results),
     }

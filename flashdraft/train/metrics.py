@@ -27,6 +27,23 @@ def json_rates(rates: list[float]) -> list[float | None]:
     return [None if math.isnan(x) else round(x, 4) for x in rates]
 
 
+def selector_metrics(results: list[dict]) -> dict:
+    """DFlash2's own metrics over per-sequence step results (empty for DFlash): how often the label is among the
+    unary top-K′ (`unary_recall_at_k`: the selector cannot pick it otherwise), how often the selector picks it when
+    it is (`selector_accuracy`), and the simulated τ of the unary argmax, beside the selector path's (which is
+    `simulated_acceptance_length`, what decoding proposes)."""
+    from flashdraft.model.objective import expected_acceptance_length
+
+    if not results or "recall" not in results[0]:
+        return {}
+    hits, supervised = (sum(r["recall"][i] for r in results) for i in (0, 1))
+    right, inside = (sum(r["selector"][i] for r in results) for i in (0, 1))
+    unary = mean_rates([r["unary_rates"] for r in results])
+    return {"unary_recall_at_k": round(hits / supervised, 4) if supervised else None,
+            "selector_accuracy": round(right / inside, 4) if inside else None,
+            "unary_simulated_acceptance_length": round(expected_acceptance_length(unary), 4)}
+
+
 class MetricSinks:
     """metrics.jsonl always; TensorBoard (`<out>/tensorboard`) when `tensorboard` is installed; Weights &
     Biases when `wandb` is installed and WANDB_PROJECT is set (so nothing ever waits on a login prompt)."""

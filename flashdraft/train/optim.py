@@ -56,8 +56,12 @@ def build_optimizers(cfg: TrainConfig, drafter: torch.nn.Module, total_steps: in
 
     params = [p for p in drafter.parameters() if p.requires_grad]
     if cfg.optimizer == "muon":
-        matrices = [p for p in params if p.ndim == 2]
-        rest = [p for p in params if p.ndim != 2]
+        # the matrices of the draft layers and fc; DFlash2's codebooks (embedding tables indexed by token) and the
+        # selector's projection stay with AdamW
+        matrices = [p for name, p in drafter.named_parameters()
+                    if p.requires_grad and p.ndim == 2 and name.split(".")[0] in ("layers", "fc")]
+        chosen = {id(p) for p in matrices}
+        rest = [p for p in params if id(p) not in chosen]
         optimizers = [torch.optim.Muon(matrices, lr=cfg.muon_lr or 10 * cfg.lr, momentum=cfg.muon_momentum,
                                        weight_decay=cfg.muon_weight_decay)]
         optimizers.append(torch.optim.AdamW(rest, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95)))

@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from flashdraft.config import TrainConfig
+from flashdraft.model.dflash2 import is_dflash2
 from flashdraft.model.drafter import DFlashDrafter
 from flashdraft.model.objective import (
     acceptance_length,
@@ -25,7 +26,7 @@ from flashdraft.model.objective import (
     sample_anchors,
 )
 from flashdraft.model.target import Target
-from flashdraft.train.metrics import json_rates, mean_rates
+from flashdraft.train.metrics import json_rates, mean_rates, selector_metrics
 
 # Under CPU autocast (`train.bf16`) a norm gets bfloat16 input and keeps its float32 weight; torch then computes
 # it unfused and says so once per process. Harmless, and the step is still 1.9x faster (benchmarks/RESULTS.md).
@@ -152,7 +153,7 @@ def batch_step(model, target: Target, rows: list, cfg: TrainConfig, generators: 
         head = target.head_weight(drafter)
         if not bf16 and head.dtype != hidden.dtype:  # a bfloat16 target (train.target_dtype) without autocast
             head = head.to(hidden.dtype)
-        logits_BSV = (hidden.to(head.device) @ head.T).to(device)
+        logits_BSV = drafter.unary_logits((hidden.to(head.device) @ head.T).to(device))
     for b, (i, ids_T, _, anchors) in enumerate(live):
         labels, weights = targets[b]
         n = len(anchors)
@@ -173,14 +174,44 @@ def batch_step(model, target: Target, rows: list, cfg: TrainConfig, generators: 
             weighted_ce = (1 - cfg.distill_weight) * weighted_ce + cfg.distill_weight * (soft_ce * weights_S).sum()
         with torch.no_grad():
             predicted = logits.view(n, k, -1).argmax(-1).cpu()  # the drafter's greedy tokens
+        extra = {}
+        if is_dflash2(drafter):  # the selector's loss; its path is what decoding proposes
+            selector = selector_step(drafter, logits, hidden[b, : n * k], block_ids[b, :n, 0], labels, hard_S)
+            weighted_ce = weighted_ce + cfg.selector_loss_weight * selector.pop("weighted_ce")
+            extra = {**selector, "unary_rates": per_position_accuracy(predicted, labels, weights)}
+            predicted = selector["path"]
+        with torch.no_grad():
             rates = per_position_accuracy(predicted, labels, weights)
             accepted = accepted_drafts(predicted, labels, weights)
         weight = float(weights_S.sum())
         # `weighted_ce` and `weight` are summed over the whole optimizer step before dividing (train.accumulate);
         # `loss` is this sequence's own ratio, for tests and benchmarks that step one sequence.
         results[i] = {"loss": weighted_ce / max(weight, 1e-8), "weighted_ce": weighted_ce, "weight": weight,
-                      "rates": rates, "accepted": accepted, "tokens": int(ids_T.shape[0]), "anchors": n}
+                      "rates": rates, "accepted": accepted, "tokens": int(ids_T.shape[0]), "anchors": n, **extra}
     return results
+
+
+def selector_step(drafter, unary_SV, hidden_SD, anchor_ids_N, labels_NK, weights_S) -> dict:
+    """DFlash2's candidate selector over one sequence's blocks: Σ CE·w over the unary top-K′ at each slot, the
+    token before it teacher-forced to its label (the anchor before slot 1), so while a greedy walk is still right
+    its path is exactly this one. A label outside the top-K′ adds nothing (SpecForge's choice; speculators swaps
+    it in for the K′-th candidate instead): decoding could not propose it either. Counted: `recall` (labels
+    inside the top-K′, of the supervised ones) and `selector` (the selector's pick right, of those inside)."""
+    n, k = labels_NK.shape
+    device = unary_SV.device
+    anchor = anchor_ids_N.cpu()[:, None]
+    previous = torch.cat([anchor, anchor, labels_NK[:, 1:-1]], dim=1)[:, :k].reshape(-1).to(device)
+    candidates, scores = drafter.selector_scores(unary_SV, hidden_SD, previous)
+    gold = candidates == labels_NK.reshape(-1, 1).to(device)
+    inside = gold.any(-1)
+    ce = torch.nn.functional.cross_entropy(scores.float(), gold.int().argmax(-1), reduction="none")
+    weighted_ce = (ce * inside * weights_S).sum()
+    with torch.no_grad():
+        path = candidates.gather(-1, scores.argmax(-1, keepdim=True)).view(n, k).cpu()
+        supervised = (weights_S > 0).cpu()
+        inside, right = inside.cpu() & supervised, (path.view(-1) == labels_NK.reshape(-1)) & supervised
+    return {"weighted_ce": weighted_ce, "path": path, "recall": (int(inside.sum()), int(supervised.sum())),
+            "selector": (int((right & inside).sum()), int(inside.sum()))}
 
 
 def distill_ce(drafter: DFlashDrafter, logits_SV: torch.Tensor, teacher: tuple, anchors_N: torch.Tensor,
@@ -260,7 +291,7 @@ def evaluate_heldout(model, target: Target, dataset, indices, cfg: TrainConfig, 
     serving measures: a walk restarts after every accepted prefix, so it meets the drafter's hard positions
     more often than random anchors do."""
     model.eval()
-    rows, walked = [], []
+    rows, walked, results = [], [], []
     for index in indices:
         row = dataset[index]
         features, teacher = (None, None) if cache is None else (cache[index], cache.teacher(index))
@@ -268,6 +299,7 @@ def evaluate_heldout(model, target: Target, dataset, indices, cfg: TrainConfig, 
                                torch.Generator().manual_seed(index), device, features, teacher)
         if result is not None:
             rows.append(result["rates"])
+            results.append(result)
         walked.extend(serving_walk(model, target, row["input_ids"], row["loss_mask"], cfg, device, features))
     model.train()
     rates = mean_rates(rows)
@@ -277,4 +309,5 @@ def evaluate_heldout(model, target: Target, dataset, indices, cfg: TrainConfig, 
         "simulated_acceptance_length": round(expected_acceptance_length(rates), 4) if rows else None,
         "serving_acceptance_length": round(acceptance_length(walked), 4) if walked else None,
         "serving_blocks": len(walked),
+        **selector_metrics(results),
     }
