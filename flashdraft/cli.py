@@ -234,16 +234,23 @@ def train(
         typer.Option(help="online: target runs in each step; offline: its features are cached once (small runs)."),
     ] = None,
     init_from: Annotated[
-        str | None, typer.Option(help="Start from this z-lab-format drafter (e.g. a published one) and fine-tune it.")
+        str | None, typer.Option(help="Start from this z-lab-format drafter (e.g. a published one) and fine-tune it; "
+                                      "with --architecture dflash2 a DFlash drafter is warm-started as DFlash2's "
+                                      "backbone.")
+    ] = None,
+    architecture: Annotated[
+        str | None, typer.Option(help="dflash (default) or dflash2: DFlash plus block convolutions and a candidate "
+                                      "selector (train.conv_* and train.selector_* in the config).")
     ] = None,
     config: ConfigFlag = None,
     json_out: JsonFlag = False,
 ) -> None:
-    """Train the DFlash block-diffusion drafter on the target's hidden states (torchrun for DDP)."""
+    """Train the DFlash (or DFlash2) block-diffusion drafter on the target's hidden states (torchrun for DDP)."""
     from flashdraft import train as stage
 
     overrides = {"train.target": target, "train.max_steps": max_steps, "train.epochs": epochs,
-                 "train.push_to": push_to, "train.features": features, "train.init_from": init_from}
+                 "train.push_to": push_to, "train.features": features, "train.init_from": init_from,
+                 "train.architecture": architecture}
     cfg = load_config(config, overrides)
     data = data or stage_dir(cfg.workdir, "tokenize")
     out = out or train_dir(cfg.workdir)

@@ -1,0 +1,136 @@
+"""Sampling at T > 0 keeps the target's distribution exactly, for DFlash and for DFlash2 (whose drafts come from a
+walk through the selector's top-K′, a sparse q) — checked by enumeration, not by sampling.
+
+A decoding step draws through a `Sampler`: a token from a distribution, or an acceptance with a probability. The
+`Enumerate` sampler below replays one branch of every draw and records how many branches each had; walking the
+branches like an odometer runs the real `SpecDecoder.start` + `step` once per outcome, with that outcome's exact
+probability. The tokens a step emits are then checked against the target's own distribution as a stream: for
+every x of 1 + K tokens, Σ over outcomes o that x continues of P(o) · Π_{i ≥ |o|} p(x_i | prompt, x_<i) must be
+Π_i p(x_i | prompt, x_<i) — the later tokens come from later steps, which start afresh from o."""
+
+import itertools
+
+import pytest
+import torch
+
+from flashdraft.evaluate.decode import Sampler, SpecDecoder
+from flashdraft.model.dflash2 import DFlash2Drafter, dflash2_config
+from flashdraft.model.drafter import DFlashDrafter, draft_config
+from flashdraft.model.target import Target
+from tests.evaluate.test_targets import build
+
+VOCAB, K, TEMPERATURE = 6, 3, 0.8
+PROMPT = [1, 4, 2]
+
+
+class Enumerate(Sampler):
+    def __init__(self, script: list[int]) -> None:
+        super().__init__()
+        self.script, self.widths, self.probability = script, [], 1.0
+
+    def _branch(self, options: list[tuple]):
+        depth = len(self.widths)
+        value, probability = options[self.script[depth] if depth < len(self.script) else 0]
+        self.widths.append(len(options))
+        self.probability *= probability
+        return value
+
+    def token(self, probs: torch.Tensor) -> int:
+        probs = probs.double() / probs.double().sum()
+        return self._branch([(t, float(probs[t])) for t in torch.nonzero(probs > 0).flatten().tolist()])
+
+    def accept(self, probability: float) -> bool:
+        return self._branch([(a, p) for a, p in ((True, probability), (False, 1.0 - probability)) if p > 0])
+
+
+def outcomes(one_run) -> dict[tuple, float]:
+    """Every outcome of `one_run(sampler)` with its exact probability."""
+    found, script = {}, []
+    while True:
+        sampler = Enumerate(script)
+        outcome = one_run(sampler)
+        found[outcome] = found.get(outcome, 0.0) + sampler.probability
+        script = (script + [0] * len(sampler.widths))[: len(sampler.widths)]
+        while script and script[-1] + 1 >= sampler.widths[len(script) - 1]:
+            script.pop()
+        if not script:
+            return found
+        script[-1] += 1
+
+
+def tiny_target(tmp_path, kind: str) -> Target:
+    torch.manual_seed(0)
+    model = build(kind, vocab_size=VOCAB)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(8)  # distributions far from uniform, so a wrong q shows
+    model.save_pretrained(tmp_path / kind)
+    return Target(str(tmp_path / kind), "cpu", lambda s: None)
+
+
+def drafter_for(target: Target, architecture: str) -> DFlashDrafter:
+    torch.manual_seed(1)
+    config = draft_config(target.config, num_layers=1, block_size=K, mask_token_id=VOCAB - 1)
+    if architecture == "dflash2":
+        config = dflash2_config(config, target.config, conv_kernel_size=2, conv_group_size=16, selector_rank=8,
+                                selector_top_k=3)  # 3 of 6 tokens: q is 0 for half the vocabulary
+    drafter = (DFlash2Drafter if architecture == "dflash2" else DFlashDrafter)(config)
+    with torch.no_grad():
+        for p in drafter.parameters():
+            p.add_(torch.randn_like(p) * (3.0 if p.shape[0] == VOCAB else 0.3))  # a selector that re-ranks
+    return drafter
+
+
+def stream_error(target: Target, decoder: SpecDecoder) -> float:
+    """The largest gap, over all 1 + K token sequences, between the step's stream probability and the target's."""
+    def one_step(sampler):
+        state = decoder.start(PROMPT, TEMPERATURE, sampler)
+        decoder.step(state, TEMPERATURE, sampler)
+        return tuple(state.tokens)
+
+    with torch.inference_mode():
+        found = outcomes(one_step)
+        target.discard_features()
+        every = torch.tensor([PROMPT + list(x) for x in itertools.product(range(VOCAB), repeat=K)])
+        probs = torch.softmax(target.model(every).logits[:, len(PROMPT) - 1 :].double() / TEMPERATURE, dim=-1)
+    target.discard_features()
+
+    def p(prefix: tuple, token: int) -> float:  # the target's probability of `token` after prompt + prefix
+        row = sum(t * VOCAB ** (K - 1 - i) for i, t in enumerate(prefix))  # a row that starts with it (product order)
+        return float(probs[row, len(prefix), token])
+
+    worst = 0.0
+    for x in itertools.product(range(VOCAB), repeat=K + 1):
+        target_p, stream = 1.0, 0.0
+        continuation = [1.0]
+        for i, token in enumerate(x):
+            target_p *= p(x[:i], token)
+            continuation.append(target_p)
+        for length in range(2, K + 2):  # a step emits 1..K tokens after its anchor
+            if x[:length] in found:
+                stream += found[x[:length]] * target_p / continuation[length]
+        worst = max(worst, abs(stream - target_p))
+    assert abs(sum(found.values()) - 1.0) < 1e-9
+    return worst
+
+
+@pytest.mark.parametrize(("kind", "architecture"), [("qwen3", "dflash"), ("qwen3", "dflash2"), ("qwen3_5", "dflash2")])
+def test_one_step_at_temperature_keeps_the_target_distribution_exactly(tmp_path, kind, architecture):
+    target = tiny_target(tmp_path, kind)
+    decoder = SpecDecoder(target, drafter_for(target, architecture), stop_ids=set())
+    assert stream_error(target, decoder) < 1e-5
+
+
+def test_checking_dflash2_drafts_against_the_unary_softmax_is_caught(tmp_path, monkeypatch):
+    """The check has teeth: verifying the selector's drafts against softmax(unary / T), not the sparse q they
+    were drawn from, is the mistake a DFlash decoder reused for DFlash2 would make, and it is not lossless."""
+    target = tiny_target(tmp_path, "qwen3")
+    decoder = SpecDecoder(target, drafter_for(target, "dflash2"), stop_ids=set())
+    drawn = SpecDecoder._draft
+
+    def unary_q(self, hidden_KD, anchor, temperature, sampler):
+        drafts, _ = drawn(self, hidden_KD, anchor, temperature, sampler)
+        logits = self.drafter.unary_logits(hidden_KD[1:] @ self.draft_head.T)
+        return drafts, torch.softmax(logits.float() / temperature, dim=-1)
+
+    monkeypatch.setattr(SpecDecoder, "_draft", unary_q)
+    assert stream_error(target, decoder) > 1e-3
