@@ -123,7 +123,8 @@ def test_a_label_outside_the_top_k_adds_nothing_and_is_counted():
     assert result["recall"] == (2, 3)  # slots 1 and 3 of the three supervised
     only_outside = torch.stack([inside[0], outside[1], outside[2], outside[3]])[None]
     nothing = selector_step(drafter, unary, hidden, torch.tensor([3]), only_outside, weights)
-    assert float(nothing["weighted_ce"].detach()) == 0.0 and nothing["recall"] == (0, 3) and nothing["selector"] == (0, 0)
+    assert float(nothing["weighted_ce"].detach()) == 0.0
+    assert nothing["recall"] == (0, 3) and nothing["selector"] == (0, 0)
     assert float(result["weighted_ce"].detach()) > 0
 
 
