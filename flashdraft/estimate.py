@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from flashdraft.config import EMBEDDED_TARGET, PipelineConfig
+from flashdraft.config import EMBEDDED_TARGET, PipelineConfig, TrainConfig
 from flashdraft.errors import BadInput
 from flashdraft.model.drafter import uniform_layer_ids
 from flashdraft.train.feature_cache import TEACHER_BYTES, feature_bytes
@@ -125,12 +125,19 @@ def prompt_lengths(source: str, tokenizer_ref: str, sample: int = 2000) -> tuple
     return count, tokens / len(picked), how
 
 
-def drafter_params(shape: TargetShape, num_layers: int, n_features: int) -> int:
-    """Trainable parameters: the draft layers (target-shaped, Qwen3 attention), `fc` and the norms."""
+def drafter_params(shape: TargetShape, num_layers: int, n_features: int, tr: TrainConfig | None = None) -> int:
+    """Trainable parameters: the draft layers (target-shaped, Qwen3 attention), `fc` and the norms; for DFlash2
+    (`tr.architecture`) also two block convolutions a layer (base kernel 2·taps·D, kernel projection D ×
+    2·taps·D/group) and the candidate selector (two V × r codebooks and an r × D projection)."""
     attn = shape.hidden * shape.head_dim * (2 * shape.heads + 2 * shape.kv_heads) + 2 * shape.head_dim
     mlp = 3 * shape.hidden * shape.intermediate
     layer = attn + mlp + 2 * shape.hidden
-    return num_layers * layer + n_features * shape.hidden * shape.hidden + 2 * shape.hidden
+    total = num_layers * layer + n_features * shape.hidden * shape.hidden + 2 * shape.hidden
+    if tr is not None and tr.architecture == "dflash2":
+        taps, d = tr.conv_kernel_size, shape.hidden
+        conv = 2 * taps * d + d * 2 * taps * (d // tr.conv_group_size)
+        total += num_layers * 2 * conv + 2 * shape.vocab * tr.selector_rank + tr.selector_rank * d
+    return total
 
 
 def estimate(
@@ -157,7 +164,7 @@ def estimate(
     per_sample = min(prompt_tokens + g.max_new_tokens, t.max_length)
     dataset_tokens = int(count * per_sample)
     layer_ids = tr.target_layer_ids or uniform_layer_ids(shape.layers, tr.num_layers)
-    params = drafter_params(shape, tr.num_layers, len(layer_ids))
+    params = drafter_params(shape, tr.num_layers, len(layer_ids), tr)
     steps = tr.max_steps or math.ceil(count / tr.batch_size) * tr.epochs  # max_steps, when set, is the run's length
     rate = tokens_per_s if tokens_per_s is not None else DEFAULT_TOKENS_PER_S[g.backend] * max(1, len(g.base_urls))
     return {

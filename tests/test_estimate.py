@@ -52,6 +52,28 @@ def test_estimate_of_a_local_config_matches_the_real_drafter(cli, tmp_path, tiny
     assert est["train_steps_one_process"] == 3 * 3  # 12 samples / batch 4, 3 epochs
 
 
+def test_estimate_counts_a_dflash2_drafter_as_built(tiny_model_dir):
+    """The convolutions and the selector's codebooks (2 · V · r: the bulk of DFlash2's extra parameters)."""
+    from transformers import AutoConfig
+
+    from flashdraft.config import load_config
+    from flashdraft.estimate import estimate
+    from flashdraft.model.dflash2 import DFlash2Drafter, dflash2_config
+    from flashdraft.model.drafter import draft_config
+
+    settings = {"num_layers": 2, "conv_kernel_size": 3, "conv_group_size": 8, "selector_rank": 64,
+                "selector_top_k": 16}
+    cfg = load_config(None, {"train.target": tiny_model_dir, "train.architecture": "dflash2",
+                             **{f"train.{k}": v for k, v in settings.items()}})
+    est = estimate(cfg, num_prompts=10)
+    target = AutoConfig.from_pretrained(tiny_model_dir)
+    config = draft_config(target, num_layers=2, block_size=16, mask_token_id=0)
+    real = DFlash2Drafter(dflash2_config(config, target, **{k: v for k, v in settings.items() if k != "num_layers"}))
+    assert est["drafter_params"] == sum(p.numel() for p in real.parameters())
+    dflash = estimate(load_config(None, {"train.target": tiny_model_dir, "train.num_layers": 2}), num_prompts=10)
+    assert est["drafter_params"] - dflash["drafter_params"] > 2 * target.vocab_size * 64
+
+
 def test_estimate_counts_max_steps_when_set(cli):
     """The demo sets max_steps (2,600 over 1,267 samples in batches of 4: ≈ 8.2 epochs): the estimate says the
     steps training will run, not the epochs'."""

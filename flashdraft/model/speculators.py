@@ -36,7 +36,12 @@ def export_speculators(drafter_dir: Path, target_ref: str, out: Path, log: Calla
     drafter_dir, out = Path(drafter_dir), Path(out)
     if not (drafter_dir / "config.json").is_file():
         raise BadInput(f"{drafter_dir} holds no drafter (config.json): run `flashdraft train` first")
-    if json.loads((drafter_dir / "config.json").read_text()).get("draft_vocab_size"):
+    config = json.loads((drafter_dir / "config.json").read_text())
+    if config.get("architectures") == ["DFlash2DraftModel"]:
+        raise BadInput("speculators 0.9 has a DFlash2 model class but no DFlash2 converter (its "
+                       "speculators.convert.dflash writes DFlash only, and refuses the convolution and selector "
+                       "tensors): serve the z-lab-format export, which SGLang and vLLM load as DFlash2DraftModel")
+    if config.get("draft_vocab_size"):
         raise BadInput("a reduced-vocabulary drafter cannot be written in speculators format: its DFlash converter "
                        "keeps the full vocabulary and drops d2t. Serve the z-lab export with vLLM (it reads d2t), "
                        "or train with the full vocabulary")

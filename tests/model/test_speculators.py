@@ -11,6 +11,7 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoConfig
 
+from flashdraft.model.dflash2 import DFlash2Drafter, dflash2_config
 from flashdraft.model.drafter import DFlashDrafter, draft_config
 from flashdraft.model.export import save_drafter
 
@@ -52,6 +53,28 @@ def test_a_reduced_vocabulary_drafter_is_refused_with_the_reason(tmp_path, tiny_
     save_drafter(drafter, tmp_path / "d", target_lm_head=torch.randn(128, 64))
     with pytest.raises(BadInput, match="keeps the full vocabulary and drops d2t"):
         export_speculators(tmp_path / "d", tiny_target, tmp_path / "spec")
+
+
+def test_a_dflash2_drafter_is_refused_with_what_was_checked(tmp_path, tiny_target):
+    from flashdraft.errors import BadInput
+    from flashdraft.model.speculators import export_speculators
+
+    save_drafter(dflash2_drafter(tiny_target), tmp_path / "d")
+    with pytest.raises(BadInput, match="no DFlash2 converter"):
+        export_speculators(tmp_path / "d", tiny_target, tmp_path / "spec")
+    assert not (tmp_path / "spec").exists()
+
+
+def dflash2_drafter(target: str) -> DFlash2Drafter:
+    config = AutoConfig.from_pretrained(target)
+    torch.manual_seed(0)
+    drafter = DFlash2Drafter(dflash2_config(draft_config(config, num_layers=2, block_size=8, mask_token_id=127),
+                                            config, conv_kernel_size=2, conv_group_size=16, selector_rank=16,
+                                            selector_top_k=8))
+    with torch.no_grad():
+        for p in drafter.parameters():
+            p.add_(torch.randn_like(p) * 0.3)
+    return drafter
 
 
 @pytest.mark.slow
@@ -110,3 +133,39 @@ print(json.dumps({{"aux": c.aux_hidden_state_layer_ids, "block_size": c.block_si
         assert torch.equal(theirs[name], ours[name]), name
     embed = load_file(str(Path(tiny_target) / "model.safetensors"))["model.embed_tokens.weight"]
     assert torch.equal(theirs["embed_tokens.weight"], embed.to(torch.bfloat16).float())  # the verifier's, in bf16
+
+    # DFlash2 (no converter in 0.9, see above): speculators' own DFlash2 modules, given flashdraft's exported
+    # tensors, compute what flashdraft's convolution and candidate selector compute.
+    dflash2 = dflash2_drafter(tiny_target)
+    save_drafter(dflash2, tmp_path / "d2", dtype="float32")
+    torch.manual_seed(2)
+    x, y = torch.randn(2, 16, 64), torch.randn(2, 16, 64)
+    unary, hidden, previous = torch.randn(2, 16, 128), torch.randn(2, 16, 64), torch.randint(0, 128, (2, 16))
+    torch.save({"x": x, "y": y, "unary": unary, "hidden": hidden, "previous": previous}, tmp_path / "in2.pt")
+    check2 = f"""
+import torch
+from safetensors.torch import load_file
+from speculators.models.dflash2.model_definitions import CandidateSelector, GroupedDynamicCausalConv
+w, i = load_file({str(tmp_path / 'd2' / 'model.safetensors')!r}), torch.load({str(tmp_path / 'in2.pt')!r})
+conv = GroupedDynamicCausalConv(64, block_size=8, kernel_size=2, group_size=16)
+conv.load_state_dict({{k.removeprefix("layers.1.mlp_conv."): v for k, v in w.items()
+                      if k.startswith("layers.1.mlp_conv.")}})
+selector = CandidateSelector(vocab_size=128, hidden_size=64, rank=16, top_k=8)
+selector.load_state_dict({{k.removeprefix("candidate_selector."): v for k, v in w.items()
+                          if k.startswith("candidate_selector.")}})
+with torch.no_grad():
+    prepared, kernel = conv.prepare(i["x"])
+    ids, scores = selector.select(i["unary"], i["hidden"], i["previous"])
+    torch.save({{"prepared": prepared, "finished": conv.finish(i["y"], kernel), "ids": ids, "scores": scores}},
+               {str(tmp_path / 'out2.pt')!r})
+"""
+    run = subprocess.run([python, "-c", check2], capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr[-3000:]
+    theirs = torch.load(tmp_path / "out2.pt")
+    conv, selector = dflash2.layers[1].mlp_conv, dflash2.candidate_selector
+    with torch.no_grad():
+        prepared, kernel = conv.prepare(x)
+        ids, scores = selector.scores(unary, hidden, previous, 8)
+        assert torch.allclose(theirs["prepared"], prepared, atol=1e-5)
+        assert torch.allclose(theirs["finished"], conv.finish(y, kernel), atol=1e-5)
+    assert torch.equal(theirs["ids"], ids) and torch.allclose(theirs["scores"], scores, atol=1e-5)
