@@ -9,6 +9,7 @@ import torch
 from safetensors.torch import load_file
 
 from flashdraft.artifact.manifest import read_manifest
+from flashdraft.model.dflash2 import DFlash2Drafter, dflash2_config
 from flashdraft.model.drafter import DFlashDrafter, draft_config
 from flashdraft.model.export import MODELING_FILE, load_drafter, save_drafter
 from flashdraft.model.objective import block_masks
@@ -80,7 +81,8 @@ def test_an_architecture_without_decoder_layers_is_named(tmp_path):
 def test_transformers_4_57_reads_the_trained_theta(tmp_path, tiny_target):
     """The z-lab reference pins transformers 4.57: in a throwaway venv with it (reusing this torch through a
     .pth file), the exported config.json gives the RoPE base, shapes and DFlash fields training used, and the
-    shipped modeling file (`trust_remote_code`) computes there what flashdraft's drafter computes here."""
+    shipped modeling file (`trust_remote_code`) computes there what flashdraft's drafter computes here — for a
+    DFlash2 drafter too (its hidden states and its greedy path)."""
     import subprocess
     import sys
     import sysconfig
@@ -100,6 +102,16 @@ def test_transformers_4_57_reads_the_trained_theta(tmp_path, tiny_target):
     block = torch.randn(1, k, target.hidden_size)
     features = torch.randn(1, context, 2 * target.hidden_size)
     torch.save({"block": block, "features": features}, tmp_path / "inputs.pt")
+    # and a DFlash2 drafter (full attention), read through the same modeling file there
+    dflash2 = DFlash2Drafter(dflash2_config(draft_config(target, num_layers=2, block_size=k, mask_token_id=127),
+                                            target, conv_kernel_size=2, conv_group_size=16, selector_rank=16,
+                                            selector_top_k=8))
+    with torch.no_grad():
+        for p in dflash2.parameters():
+            p.add_(torch.randn_like(p) * 0.3)
+    save_drafter(dflash2, tmp_path / "dflash2", dtype="float32")
+    head = torch.nn.Linear(target.hidden_size, target.vocab_size, bias=False)
+    torch.save(head.state_dict(), tmp_path / "head.pt")
 
     venv = tmp_path / "tf457"
     subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
@@ -125,6 +137,16 @@ with torch.no_grad():
     hidden = model(position_ids=torch.arange({context + k})[None], noise_embedding=x["block"],
                    target_hidden=x["features"])
 torch.save(hidden, {str(tmp_path / 'hidden.pt')!r})
+model2 = transformers.AutoModel.from_pretrained({str(tmp_path / 'dflash2')!r}, trust_remote_code=True,
+                                                torch_dtype=torch.float32)
+head = torch.nn.Linear({target.hidden_size}, {target.vocab_size}, bias=False)
+head.load_state_dict(torch.load({str(tmp_path / 'head.pt')!r}))
+with torch.no_grad():
+    hidden2 = model2(position_ids=torch.arange({context + k})[None], noise_embedding=x["block"],
+                     target_hidden=x["features"])
+    path, candidates = model2.propose(hidden2, torch.tensor([5]), head)
+torch.save({{"name": type(model2).__name__, "hidden": hidden2, "path": path, "candidates": candidates}},
+           {str(tmp_path / 'dflash2.pt')!r})
 """
     run = subprocess.run([str(python), "-c", check], capture_output=True, text=True)
     assert run.returncode == 0, run.stderr[-3000:]
@@ -140,3 +162,12 @@ torch.save(hidden, {str(tmp_path / 'hidden.pt')!r})
     with torch.no_grad():
         ours = exported(block, features, torch.arange(context, context + k)[None], torch.arange(context)[None], masks)
     assert torch.allclose(torch.load(tmp_path / "hidden.pt"), ours, atol=1e-5)
+
+    theirs = torch.load(tmp_path / "dflash2.pt")
+    masks = block_masks(torch.tensor([context]), k, context, None, "cpu")
+    with torch.no_grad():
+        ours = dflash2(block, features, torch.arange(context, context + k)[None], torch.arange(context)[None], masks)
+        unary = dflash2.unary_logits(head(ours[0, 1:]))
+        path, candidates, _ = dflash2.walk(unary, ours[0, 1:], 5, lambda score: score.argmax())
+    assert theirs["name"] == "DFlash2DraftModel" and torch.allclose(theirs["hidden"], ours, atol=1e-5)
+    assert torch.equal(theirs["path"][0], path) and torch.equal(theirs["candidates"][0], candidates)
