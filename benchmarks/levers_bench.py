@@ -66,6 +66,12 @@ LEVERS = {
     "muon": ("Muon for the matrices (lr 10 × AdamW's), AdamW for the rest", {"optimizer": "muon"}),
     "muon-lr-1e-2": ("Muon at lr 1e-2", {"optimizer": "muon", "muon_lr": 1e-2}),
     "labels-target": ("labels: the target's greedy token at each position", {"labels": "target"}),
+    # DFlash2 scores the full vocabulary, so its DFlash baseline at equal cost is `vocab-full`, not the demo
+    "vocab-full": ("the full 49,152-token vocabulary (DFlash2's baseline)", {"draft_vocab_size": None}),
+    "dflash2": ("DFlash2: block convolutions + candidate selector (top-16, rank 256), full vocabulary",
+                {"architecture": "dflash2", "draft_vocab_size": None}),
+    "dflash2-warm": ("DFlash2 warm-started from the vocab-full lever's drafter (its steps again)",
+                     {"architecture": "dflash2", "draft_vocab_size": None, "init_from": "lever:vocab-full"}),
     "big": ("4 layers, 32 anchors, twice the steps: what τ costs past the budget",
             {"num_layers": 4, "max_anchors": 32, "max_steps": 3600}),
 }
@@ -138,6 +144,8 @@ def main() -> None:
         if overrides == "double":
             overrides = {"max_steps": 2 * train["max_steps"]}
         train.update(overrides)
+        if str(train.get("init_from", "")).startswith("lever:"):  # another lever's drafter, trained earlier
+            train["init_from"] = str(args.work / f"lever-{train['init_from'].removeprefix('lever:')}" / "drafter")
         # The demo lever is the demo's own training run (reused when `flashdraft demo --workdir WORK/demo` ran).
         out = Path(base["workdir"]) / "train" if name == "demo" else args.work / f"lever-{name}"
         cache = Path(base["workdir"]) / "train" / "features"
