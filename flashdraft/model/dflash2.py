@@ -117,10 +117,10 @@ class DFlash2Drafter(DFlashDrafter):
         """(the unary top-K′ ids, their scores) at each slot, given the token before each slot."""
         return self.candidate_selector.scores(unary, hidden.to(unary.dtype), previous_ids, self.selector_top_k)
 
-    def walk(self, unary_JV, hidden_JD, anchor: int, pick) -> tuple[torch.Tensor, torch.Tensor]:
+    def walk(self, unary_JV, hidden_JD, anchor: int, pick) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Decoding's walk over the J = K − 1 draft slots of one block: each slot's candidates are scored with the
-        token chosen at the slot before (the anchor for the first), and `pick(candidate_ids, scores)` chooses.
-        Returns (the drafts J, the candidates J × K′ with their scores J × K′)."""
+        token chosen at the slot before (the anchor for the first), and `pick(scores)` chooses one (its index).
+        Returns (the drafts J, the candidates J × K′, their scores J × K′)."""
         previous = torch.tensor(anchor, device=unary_JV.device)
         drafts, candidates, scores = [], [], []
         for j in range(unary_JV.shape[0]):
