@@ -115,7 +115,7 @@ class DFlash2Drafter(DFlashDrafter):
 
     def selector_scores(self, unary, hidden, previous_ids) -> tuple[torch.Tensor, torch.Tensor]:
         """(the unary top-K′ ids, their scores) at each slot, given the token before each slot."""
-        return self.candidate_selector.scores(unary, hidden.to(unary.dtype), previous_ids, self.selector_top_k)
+        return self.candidate_selector.scores(unary, hidden, previous_ids, self.selector_top_k)
 
     def walk(self, unary_JV, hidden_JD, anchor: int, pick) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Decoding's walk over the J = K − 1 draft slots of one block: each slot's candidates are scored with the

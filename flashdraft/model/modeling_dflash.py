@@ -151,14 +151,16 @@ class CandidateSelector(nn.Module):
 
     def transition(self, hidden, previous_ids, candidate_ids) -> torch.Tensor:
         """hidden (…, D), previous_ids (…), candidate_ids (…, K) → the pairwise term of each candidate (…, K)."""
-        context = self.predecessor_codebook[previous_ids] * self.hidden_projection(hidden)
+        projected = self.hidden_projection(hidden.to(self.hidden_projection.weight.dtype))
+        context = self.predecessor_codebook[previous_ids] * projected
         return (context.unsqueeze(-2) * self.successor_codebook[candidate_ids]).sum(-1)
 
     def scores(self, unary, hidden, previous_ids, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(the unary top-K ids, their scores) at each slot: unary logits (…, V) and hidden (…, D)."""
         candidates = unary.topk(top_k, dim=-1).indices
         pairwise = self.transition(hidden, previous_ids, candidates)
-        return candidates, unary.gather(-1, candidates) + pairwise.to(unary.dtype)
+        # in float32 whatever the logits' type: K′ scores a slot are cheap, and bfloat16 would tie them
+        return candidates, unary.gather(-1, candidates).float() + pairwise.float()
 
 
 def logit_transform(logits: torch.Tensor, multiplier: float, softcap: float) -> torch.Tensor:

@@ -36,6 +36,12 @@ def test_a_dflash2_run_trains_exports_and_reports_the_selector(tiny_target, tiny
     assert "already done, verified" in rerun[0]
 
 
+def test_dflash2_trains_under_bfloat16_autocast(tiny_target, tiny_dataset, tmp_path):
+    """What the demo runs (train.bf16 on a CPU): the selector scores bfloat16 logits and hidden states."""
+    stats = run(tiny_cfg(tiny_target, max_steps=2, bf16=True, **DFLASH2), tiny_dataset, tmp_path / "bf16", log=quiet)
+    assert stats["steps"] == 2 and stats["heldout"]["unary_recall_at_k"] is not None
+
+
 def test_the_dflash2_loss_does_not_depend_on_how_a_step_is_split(tiny_target, tiny_dataset, tmp_path):
     cfg = tiny_cfg(tiny_target, batch_size=4, max_steps=2, export_dtype="float32", **DFLASH2)
     run(cfg.model_copy(update={"micro_batch": 4}), tiny_dataset, tmp_path / "four", log=quiet)
