@@ -301,10 +301,7 @@ def import_drafter(cfg: TrainConfig, target_config, say) -> DFlashDrafter:
     say(f"train: starting from {path} ({kind}): {len(drafter.layers)} layers, block {drafter.block_size}, target "
         f"layers {drafter.target_layer_ids}, mask token {drafter.mask_token_id} (its settings, not train.num_layers "
         "etc.)")
-    if cfg.architecture == "dflash2" and not is_dflash2(drafter):
-        if drafter.draft_vocab_size or drafter.sliding_window:
-            raise BadTrainingInput(f"--init-from {path} has a reduced vocabulary or sliding-window layers (not "
-                                   "supported by DFlash2 yet): warm-start from a full-vocabulary, full-attention one")
+    if cfg.architecture == "dflash2" and not is_dflash2(drafter):  # dflash2_config refuses what it cannot take
         drafter = DFlash2Drafter.warm_start(drafter, target_config, **dflash2_settings(cfg))
         say("train: DFlash2 warm start: the DFlash drafter's weights as the backbone, convolutions and candidate "
             "selector at identity (it proposes what the DFlash drafter proposes until it trains)")

@@ -200,7 +200,7 @@ def selector_step(drafter, unary_SV, hidden_SD, anchor_ids_N, labels_NK, weights
     n, k = labels_NK.shape
     device = unary_SV.device
     anchor = anchor_ids_N.cpu()[:, None]
-    previous = torch.cat([anchor, anchor, labels_NK[:, 1:-1]], dim=1)[:, :k].reshape(-1).to(device)
+    previous = torch.cat([anchor, anchor, labels_NK[:, 1:-1]], dim=1).reshape(-1).to(device)  # N × K
     candidates, scores = drafter.selector_scores(unary_SV, hidden_SD, previous)
     gold = candidates == labels_NK.reshape(-1, 1).to(device)
     inside = gold.any(-1)
