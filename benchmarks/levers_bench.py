@@ -65,6 +65,7 @@ LEVERS = {
     "dpace-0.7": ("D-PACE loss weights, α 0.7", {"loss": "dpace", "dpace_alpha": 0.7}),
     "muon": ("Muon for the matrices (lr 10 × AdamW's), AdamW for the rest", {"optimizer": "muon"}),
     "muon-lr-1e-2": ("Muon at lr 1e-2", {"optimizer": "muon", "muon_lr": 1e-2}),
+    "muon-lr-1e-1": ("Muon at lr 1e-1", {"optimizer": "muon", "muon_lr": 1e-1}),
     "labels-target": ("labels: the target's greedy token at each position", {"labels": "target"}),
     # DFlash2 scores the full vocabulary, so its DFlash baseline at equal cost is `vocab-full`, not the demo
     "vocab-full": ("the full 49,152-token vocabulary (DFlash2's baseline)", {"draft_vocab_size": None}),
