@@ -1,6 +1,8 @@
 """The pipeline end to end: `flashdraft run` on a tiny config, and the embedded demo's target preparation."""
 
 import json
+import subprocess
+import sys
 
 import pytest
 import yaml
@@ -15,16 +17,24 @@ def test_embedded_target_is_converted_once_and_verified(tmp_path, monkeypatch):
     from flashdraft.model.resolve import resolve_model
 
     monkeypatch.setenv("FLASHDRAFT_CACHE", str(tmp_path / "cache"))
-    lines = []
     target = tmp_path / "cache" / "models" / "smollm2-135m-instruct"
-    assert resolve_model("embedded", log=lines.append) == str(target)
-    assert any("target: converted" in line for line in lines)
+    # Two processes on a fresh cache at once (a demo and a stage started together): one converts, the other waits
+    # for its lock and finds the conversion done; neither is refused.
+    resolve = "from flashdraft.model.resolve import resolve_model; print(resolve_model('embedded'))"
+    both = [subprocess.Popen([sys.executable, "-c", resolve], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                             text=True) for _ in range(2)]
+    outputs = [proc.communicate(timeout=600) for proc in both]
+    assert [proc.returncode for proc in both] == [0, 0], [err[-2000:] for _, err in outputs]
+    said = [out for out, _ in outputs]
+    assert sum("target: converted" in out for out in said) == 1
+    assert sum("target: already done, verified" in out for out in said) == 1
+    assert all(out.strip().endswith(str(target)) for out in said)
     assert verify_dir(target) == []
     config = json.loads((target / "config.json").read_text())
     assert config["architectures"] == ["LlamaForCausalLM"] and config["hidden_size"] == 576
     assert json.loads((target / MANIFEST).read_text())["kind"] == "model"
 
-    lines.clear()
+    lines = []
     resolve_model("embedded", log=lines.append)
     assert "target: already done, verified" in lines[0]
 

@@ -200,8 +200,9 @@ def _describe_holder(path: Path, wait_s: float = 2.0) -> str:
 
 
 @contextmanager
-def output_lock(out: str | Path) -> Iterator[None]:
-    """Hold the advisory lock of `out` for the block; raise OutputLocked at once if another process holds it."""
+def output_lock(out: str | Path, wait: bool = False) -> Iterator[None]:
+    """Hold the advisory lock of `out` for the block; raise OutputLocked at once if another process holds it, or
+    with `wait`, block until it is released (a shared cache entry: the second process then finds it done)."""
     path = lock_path(Path(out))
     key = str(path)
     with _held_guard:
@@ -216,7 +217,7 @@ def output_lock(out: str | Path) -> Iterator[None]:
         while True:
             fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
             try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                fcntl.flock(fd, fcntl.LOCK_EX if wait else fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
                 os.close(fd)
                 raise OutputLocked(f"{out} is in use by {_describe_holder(path)}; wait for it to finish, or use "

@@ -16,6 +16,7 @@ import os
 from pathlib import Path
 
 from flashdraft.artifact.manifest import Lineage, check_done, commit_dir, sha256_json
+from flashdraft.artifact.ownership import output_lock
 from flashdraft.config import EMBEDDED_TARGET
 from flashdraft.errors import BadInput
 
@@ -39,15 +40,23 @@ def embedded_gguf() -> Path:
 
 
 def convert_gguf(gguf: Path, out: Path, log=print) -> Path:
-    """GGUF → standard HF directory (safetensors + tokenizer), committed with a manifest. Skips if done."""
+    """GGUF → standard HF directory (safetensors + tokenizer), committed with a manifest. Skips if done.
+
+    The cache is shared by every process on the machine (a demo and a test run, two stages started together), so
+    the check and the conversion run under the entry's lock, waiting for it: a second process blocks while the
+    first converts, then finds it done, instead of converting twice or being refused."""
     from flashdraft.artifact.manifest import sha256_file  # local: only hashed when a conversion is considered
 
     lineage = Lineage(config=sha256_json({"gguf": gguf.name, "sha256": sha256_file(gguf), "dtype": "float32"}))
-    decision = check_done(out, lineage)
-    log(decision.line("target", out))
-    if decision.done:
-        return out
+    with output_lock(out, wait=True):
+        decision = check_done(out, lineage)
+        log(decision.line("target", out))
+        if not decision.done:
+            _convert(gguf, out, lineage, log)
+    return out
 
+
+def _convert(gguf: Path, out: Path, lineage: Lineage, log) -> None:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -63,7 +72,6 @@ def convert_gguf(gguf: Path, out: Path, log=print) -> Path:
         plain.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
     log(f"target: converted {gguf.name} → {out}")
-    return out
 
 
 def resolve_model(ref: str, log=print) -> str:

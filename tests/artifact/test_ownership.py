@@ -5,6 +5,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -140,3 +141,26 @@ def test_a_second_writer_is_refused_at_once_naming_the_holder_and_a_dead_ones_lo
     with output_lock(out), output_lock(out):  # taken over; re-entrant within one process
         assert str(os.getpid()) in lock_path(out).read_text()
     assert not lock_path(out).exists()  # removed on release
+
+
+def test_a_waiting_lock_blocks_until_the_holder_is_gone(tmp_path):
+    """The shared model cache's lock (`wait=True`): a second process waits behind the holder instead of being
+    refused, and takes the lock once the holder is gone."""
+    out = tmp_path / "out"
+    holder = subprocess.Popen([sys.executable, "-c", HOLD, str(out)], stdout=subprocess.PIPE, text=True)
+    taken = threading.Event()
+
+    def take() -> None:
+        with output_lock(out, wait=True):
+            taken.set()
+
+    waiter = threading.Thread(target=take)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        waiter.start()
+        assert not taken.wait(1.0)  # behind the holder: a lock that did not wait would be taken at once
+    finally:
+        holder.send_signal(signal.SIGKILL)
+        holder.wait()
+    waiter.join(timeout=60)
+    assert taken.is_set()
