@@ -1,7 +1,16 @@
+import os
 import subprocess
 import sys
 
 import pytest
+
+# The suite runs on two pytest-xdist workers (pyproject's addopts), one per core of a CI machine: most of its time is
+# single-threaded (interpreters starting, models loading, servers answering), so two workers nearly halve it. Each
+# worker and every process it starts then computes on one thread, so the two never fight over the cores.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ["OMP_NUM_THREADS"] = "1"
+    if "torch" in sys.modules:
+        sys.modules["torch"].set_num_threads(1)
 
 
 def run_cli(*args: str, check: bool = False, **kwargs) -> subprocess.CompletedProcess:
