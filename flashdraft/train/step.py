@@ -89,9 +89,14 @@ def plan_batch(target: Target, rows: list, cfg: TrainConfig, generators: list, b
         features_BCF = torch.stack([_padded(features[i][:context_len], context_len) for i, *_ in live])
     kept = [teachers[i] for i, *_ in live] if teachers is not None and teachers[live[0][0]] is not None else None
     if want_labels and labels is None:  # offline: the cache's top-1 after position p − 1 is the target's label at p
-        labels = [torch.cat([ids_T[:1], teacher[0][: len(ids_T) - 1, 0]]) for (_, ids_T, _, _), teacher in
-                  zip(live, kept, strict=True)]
+        labels = [cached_labels(ids_T, teacher) for (_, ids_T, _, _), teacher in zip(live, kept, strict=True)]
     return Planned(len(rows), live, context_len, features_BCF, kept, labels)
+
+
+def cached_labels(ids_T: torch.Tensor, teacher: tuple) -> torch.Tensor:
+    """The target's greedy label at every position of a sequence (at p: its argmax after p − 1; at 0 the token
+    itself) from a cached top-k, whose first column is the argmax."""
+    return torch.cat([ids_T[:1], teacher[0][: len(ids_T) - 1, 0]])
 
 
 @torch.no_grad()
@@ -244,36 +249,54 @@ def accepted_drafts(predicted_NK, labels_NK, weights_NK) -> list[int]:
 
 @torch.no_grad()
 def serving_walk(model, target: Target, ids_T, mask_T, cfg: TrainConfig, device,
-                 features_TF: torch.Tensor | None = None) -> list[int]:
-    """Drafts accepted at each block as speculative decoding walks this sequence: a block at the first
-    supervised position, accept the longest prefix of drafts equal to the sequence's tokens, the bonus token,
-    the next block right after it (a new supervised span starts a new walk; a block at a span's last token, the
-    end of the turn, is not one decoding runs). On a sequence that is the target's
-    own greedy output this is what `flashdraft eval` measures, without decoding: every block's drafts depend
-    only on the context before it, so all candidate blocks are scored in a few passes and then walked.
-    Labels past the sequence's end count as not accepted (eval would compare them with the target's own
-    continuation, which the data does not hold)."""
+                 features_TF: torch.Tensor | None = None, teacher: tuple | None = None) -> list[int]:
+    """Drafts accepted at each block as greedy speculative decoding walks this sequence: a block at the first
+    supervised position, accept the longest prefix of drafts equal to the target's greedy tokens, the bonus
+    token, the next block right after it (a new supervised span starts a new walk; a block at a span's last
+    token, the end of the turn, is not one decoding runs). On a sequence that is the target's own greedy output
+    this is what `flashdraft eval` measures, without decoding: every block's drafts depend only on the context
+    before it, so all candidate blocks are scored in a few passes and then walked.
+
+    The labels are the target's argmax (the cache's top-1 in `teacher`, else one target pass), not the
+    sequence's tokens: on sampled data those are not what verification accepts. A label is the target's token
+    only while the sequence follows the target's argmax, so a block accepts at most up to the first position
+    where the sequence departs from it (its label there is still the target's; the next one is conditioned on a
+    token decoding would not have seen); past it the walk goes on in the sequence's context, the nearest
+    stand-in for the target's own continuation the data holds. Labels past the sequence's end count as not
+    accepted (eval would compare them with the target's continuation, which the data does not hold)."""
     drafter: DFlashDrafter = getattr(model, "module", model)
     k = drafter.block_size
     ids_T, mask_T = torch.as_tensor(ids_T[: cfg.max_length]).long(), torch.as_tensor(mask_T[: cfg.max_length])
-    # Room for a last block that runs past the end: its labels there are unsupervised, so never accepted.
-    ids_pad = torch.cat([ids_T, ids_T.new_zeros(k - 1)])
-    mask_pad = torch.cat([mask_T, mask_T.new_zeros(k - 1)])
     # An anchor with a supervised token after it: at a span's last token (the end of the turn) decoding stops.
     candidates = torch.nonzero(mask_T[:-1].bool() & mask_T[1:].bool(), as_tuple=True)[0]
     if not len(candidates):
         return []
-    if features_TF is None:
-        features_TF = target.features(ids_T[None, : int(candidates.max())])[0]
+    if teacher is not None:
+        greedy_T = cached_labels(ids_T, teacher)
+        if features_TF is None:
+            features_TF = target.features(ids_T[None, : int(candidates.max())])[0]
+    else:  # one pass gives both: a prefix's features are the whole sequence's, the target being causal
+        features_1TF, labels_1T = target_pass(target, ids_T[None], len(ids_T), True)
+        greedy_T = labels_1T[0, : len(ids_T)]
+        features_TF = features_1TF[0] if features_TF is None else features_TF
+    # departs[q]: the first position ≥ q where the sequence is not the target's argmax (len(ids_T) if none)
+    positions = torch.arange(len(ids_T))
+    departed = torch.where(ids_T != greedy_T, positions, len(ids_T))
+    departs = departed.flip(0).cummin(0).values.flip(0)
+    # Room for a last block that runs past the end: its labels there are unsupervised, so never accepted.
+    ids_pad = torch.cat([ids_T, ids_T.new_zeros(k - 1)])
+    mask_pad = torch.cat([mask_T, mask_T.new_zeros(k - 1)])
+    greedy_pad = torch.cat([greedy_T, greedy_T.new_zeros(k - 1)])
     accepted: dict[int, int] = {}
     # Passes of at least 512 blocks (training's default anchor count, so no more memory than a GPU step): a CPU
     # run's few anchors a step would make the walk dozens of small passes.
     for chunk in candidates.split(max(cfg.max_anchors, 512)):
         context_len = int(chunk.max())
         plan = Planned(1, [(0, ids_pad, mask_pad, chunk)], context_len,
-                       _padded(features_TF[:context_len], context_len)[None])
+                       _padded(features_TF[:context_len], context_len)[None], labels=[greedy_pad])
         result = batch_step(model, target, [], cfg, [], device, planned=plan)[0]
-        accepted.update(zip(chunk.tolist(), result["accepted"], strict=True))
+        trusted = (departs[chunk + 1] - chunk).tolist()  # drafts whose label is the target's token
+        accepted.update((p, min(a, t)) for p, a, t in zip(chunk.tolist(), result["accepted"], trusted, strict=True))
     walk, starts = [], sorted(accepted)
     position = starts[0]
     while position is not None:
@@ -300,7 +323,7 @@ def evaluate_heldout(model, target: Target, dataset, indices, cfg: TrainConfig, 
         if result is not None:
             rows.append(result["rates"])
             results.append(result)
-        walked.extend(serving_walk(model, target, row["input_ids"], row["loss_mask"], cfg, device, features))
+        walked.extend(serving_walk(model, target, row["input_ids"], row["loss_mask"], cfg, device, features, teacher))
     model.train()
     rates = mean_rates(rows)
     return {

@@ -121,3 +121,52 @@ def test_a_walk_restarts_right_after_each_bonus_token(tiny_target):
     mask = [0] * 8 + [1] * 12
     assert serving_walk(drafter, target, ids, mask, cfg, "cpu") == [0] * 11  # anchors 8 … 18: one needs a label
     assert serving_walk(drafter, target, ids, [0] * 20, cfg, "cpu") == []
+
+
+def test_on_sampled_completions_the_walk_accepts_what_verification_would(greedy_run, tiny_model_dir):
+    """On sampled completions, a block's accepted drafts are what greedy verification accepts
+    from the same context (the real decoder, started on the sequence's prefix), up to the first position where
+    the sequence departs from the target's argmax: past it the label verification would use is conditioned on
+    a token the data does not hold. The sequence's own tokens would be the wrong labels: checked here, the
+    sampled data departs from the target's argmax inside many of the walk's blocks. Temperature 0.03: the random
+    model's logits spread ~0.1, so at 0.03 it keeps its argmax about two times in three (a trained model's T ≈ 1)."""
+    from transformers import AutoTokenizer
+
+    from flashdraft import generate
+    from flashdraft.evaluate.decode import Sampler, SpecDecoder
+    from flashdraft.model.export import load_drafter
+    from flashdraft.model.resolve import stop_token_ids
+    from flashdraft.model.target import Target
+    from flashdraft.train.step import serving_walk
+
+    work, prompts, cfg, _ = greedy_run
+    generate.run(GenerateConfig(prompts=str(prompts), model=tiny_model_dir, max_new_tokens=40, batch_size=24,
+                                temperature=0.03, seed=3), work / "sampled", log=quiet)
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    records = [json.loads(line) for line in (work / "sampled" / "batch-000000.jsonl").read_text().splitlines()]
+    target = Target(tiny_model_dir, "cpu", quiet, "float32")
+    drafter = load_drafter(work / "train" / "drafter")
+    target.watch(drafter.target_layer_ids)
+    decoder = SpecDecoder(target, drafter, stop_token_ids(tokenizer, tokenizer.eos_token_id))
+    k = drafter.block_size
+    checked = departed = accepted_total = 0
+    for record in records:
+        prompt = list(tokenizer.apply_chat_template(record["messages"], add_generation_prompt=True,
+                                                    tokenize=True, return_dict=True)["input_ids"])
+        ids = prompt + record["token_ids"]
+        walk = serving_walk(drafter, target, ids, [0] * len(prompt) + [1] * len(record["token_ids"]), cfg, "cpu")
+        position = len(prompt)  # the first block: at the first supervised position
+        for accepted in walk:
+            if position + k > len(ids):
+                break  # a block reaching past the data: its labels there are not the target's
+            state = decoder.start(ids[:position], 0.0, Sampler())
+            if state.anchor == ids[position]:  # the decoder's anchor is the sequence's token: the same block
+                decoder.step(state, 0.0, Sampler())
+                greedy = state.tokens  # the target's tokens at position, position + 1, …
+                follows = next((j for j in range(1, len(greedy)) if greedy[j] != ids[position + j]), k)
+                assert accepted == min(state.accepted[0], follows), (record["id"], position)
+                checked += 1
+                departed += follows < k - 1
+                accepted_total += accepted
+            position += accepted + 1
+    assert checked >= 200 and departed >= 10 and accepted_total >= 40, (checked, departed, accepted_total)
