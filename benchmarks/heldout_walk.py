@@ -14,32 +14,23 @@ import sys
 from pathlib import Path
 
 import yaml
+from datasets import load_from_disk
+from levers_bench import lever_out, score  # benchmarks/levers_bench.py, beside this script
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
 def rescore(work: Path, lever: str) -> dict:
-    import torch
-
     from flashdraft.config import TrainConfig
-    from flashdraft.model.export import load_drafter
-    from flashdraft.model.resolve import resolve_model
-    from flashdraft.model.target import Target
-    from flashdraft.train.data import load_dataset_checked, split_heldout
+    from flashdraft.train.data import split_heldout
     from flashdraft.train.feature_cache import FeatureCache
-    from flashdraft.train.step import evaluate_heldout
 
-    out = work / "demo" / "train" if lever == "demo" else work / f"lever-{lever}"  # where levers_bench trained it
+    out = lever_out(work, lever)
     cfg = TrainConfig(**yaml.safe_load((work / f"lever-{lever}.yaml").read_text())["train"])
-    drafter = load_drafter(out / "drafter")
-    target = Target(resolve_model("embedded", log=lambda s: None), "cpu", lambda s: None, cfg.target_dtype)
-    target.watch(drafter.target_layer_ids)
-    dataset = load_dataset_checked(work / "demo" / "dataset", drafter.block_size, target.config.vocab_size,
-                                   cfg.max_length)
-    _, heldout = split_heldout(len(dataset), cfg.eval_samples, cfg.seed)
+    data = work / "demo" / "dataset"
+    _, heldout = split_heldout(len(load_from_disk(str(data))), cfg.eval_samples, cfg.seed)
     cache = FeatureCache(out / "features") if (out / "features").exists() else None
-    torch.manual_seed(0)
-    now = evaluate_heldout(drafter, target, dataset, heldout, cfg, "cpu", cache)
+    now = score(out / "drafter", data, cfg.target_dtype, cfg, heldout, cache)
     logged = [json.loads(line)["heldout"] for line in (out / "metrics.jsonl").read_text().splitlines()
               if '"heldout"' in line][-1]
     return {"work": str(work), "lever": lever, "logged_walk": logged.get("serving_acceptance_length"),

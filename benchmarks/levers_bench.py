@@ -95,8 +95,15 @@ def heldout_dataset(work: Path, dtype: str = "float32") -> Path:
     return work / f"heldout-data{suffix}"
 
 
-def score(drafter: Path, data: Path, dtype: str = "float32") -> dict:
-    """Simulated greedy τ of a drafter at every anchor of a dataset, on features from the target in `dtype`."""
+def lever_out(work: Path, name: str) -> Path:
+    """Where a lever trains: the demo lever is the demo's own training run (reused when `flashdraft demo
+    --workdir WORK/demo` ran), every other one its own directory."""
+    return work / "demo" / "train" if name == "demo" else work / f"lever-{name}"
+
+
+def score(drafter: Path, data: Path, dtype: str = "float32", cfg=None, indices=None, cache=None) -> dict:
+    """Simulated greedy τ of a drafter at every anchor of a dataset, on features from the target in `dtype`; or,
+    with a run's `cfg`, held-out `indices` and feature `cache`, its held-out evaluation as training computes it."""
     import torch
 
     from flashdraft.config import TrainConfig
@@ -110,9 +117,10 @@ def score(drafter: Path, data: Path, dtype: str = "float32") -> dict:
     model = load_drafter(drafter)
     target = Target(resolve_model("embedded", log=lambda s: None), "cpu", lambda s: None, dtype)
     target.watch(model.target_layer_ids)
-    dataset = load_dataset_checked(data, model.block_size, target.config.vocab_size, 512)
-    cfg = TrainConfig(max_anchors=512, max_length=512, block_size=model.block_size)
-    return evaluate_heldout(model, target, dataset, list(range(len(dataset))), cfg, "cpu")
+    cfg = cfg or TrainConfig(max_anchors=512, max_length=512, block_size=model.block_size)
+    dataset = load_dataset_checked(data, model.block_size, target.config.vocab_size, cfg.max_length)
+    indices = list(range(len(dataset))) if indices is None else indices
+    return evaluate_heldout(model, target, dataset, indices, cfg, "cpu", cache)
 
 
 def main() -> None:
@@ -149,8 +157,7 @@ def main() -> None:
         train.update(overrides)
         if str(train.get("init_from", "")).startswith("lever:"):  # another lever's drafter, trained earlier
             train["init_from"] = str(args.work / f"lever-{train['init_from'].removeprefix('lever:')}" / "drafter")
-        # The demo lever is the demo's own training run (reused when `flashdraft demo --workdir WORK/demo` ran).
-        out = Path(base["workdir"]) / "train" if name == "demo" else args.work / f"lever-{name}"
+        out = lever_out(args.work, name)
         cache = Path(base["workdir"]) / "train" / "features"
         if name != "demo" and not {"distill_topk", "target_layer_ids", "max_length", "target_dtype"} & overrides.keys():
             out.mkdir(parents=True, exist_ok=True)

@@ -271,10 +271,8 @@ def serving_walk(model, target: Target, ids_T, mask_T, cfg: TrainConfig, device,
     candidates = torch.nonzero(mask_T[:-1].bool() & mask_T[1:].bool(), as_tuple=True)[0]
     if not len(candidates):
         return []
-    if teacher is not None:
+    if teacher is not None and features_TF is not None:  # the offline cache holds both
         greedy_T = cached_labels(ids_T, teacher)
-        if features_TF is None:
-            features_TF = target.features(ids_T[None, : int(candidates.max())])[0]
     else:  # one pass gives both: a prefix's features are the whole sequence's, the target being causal
         features_1TF, labels_1T = target_pass(target, ids_T[None], len(ids_T), True)
         greedy_T = labels_1T[0, : len(ids_T)]
