@@ -69,6 +69,8 @@ LEVERS = {
     "labels-target": ("labels: the target's greedy token at each position", {"labels": "target"}),
     "best": ("the best of each lever at 600 steps: Muon (lr 10 × AdamW's), D-PACE α 0.3, target labels",
              {"optimizer": "muon", "loss": "dpace", "dpace_alpha": 0.3, "labels": "target"}),
+    "best-adamw": ("the best combination without Muon's step cost: D-PACE α 0.3, target labels, AdamW",
+                   {"loss": "dpace", "dpace_alpha": 0.3, "labels": "target"}),
     # DFlash2 scores the full vocabulary, so its DFlash baseline at equal cost is `vocab-full`, not the demo
     "vocab-full": ("the full 49,152-token vocabulary (DFlash2's baseline)", {"draft_vocab_size": None}),
     "dflash2": ("DFlash2: block convolutions + candidate selector (top-16, rank 256), full vocabulary",

@@ -146,9 +146,6 @@ class TrainConfig(Section):
 
     @model_validator(mode="after")
     def _one_weighting(self) -> TrainConfig:
-        if self.optimizer == "muon" and self.fsdp:  # torch's Muon has no sharded (DTensor) path of its own
-            raise ValueError("optimizer: muon with fsdp: true is not verified (Muon orthogonalises whole matrices; "
-                             "FSDP holds shards of them): use DDP (fsdp: false) or optimizer: adamw")
         if self.labels == "target" and self.features == "offline" and not self.distill_topk:
             raise ValueError("labels: target with features: offline reads the target's argmax from the cache's "
                              "top-k: set distill_topk ≥ 1 (and distill_weight: 0 for the hard labels only)")
