@@ -77,14 +77,11 @@ def dflash2_drafter(target: str) -> DFlash2Drafter:
     return drafter
 
 
-@pytest.mark.slow
-def test_speculators_reads_the_export_as_trained(tmp_path, tiny_target):
-    """In a throwaway venv with speculators 0.9 and the transformers it pins (this torch reused through a .pth):
-    flashdraft's export command writes the checkpoint through speculators' own converter, and speculators'
-    DFlashDraftModel loads it with flashdraft's weights, layer ids, block size, mask token and attention layout."""
-    drafter = trained_drafter(tiny_target, tmp_path / "d", sliding_window=32)
-
-    venv = tmp_path / "spec-venv"
+@pytest.fixture(scope="module")
+def speculators_python(tmp_path_factory) -> str:
+    """A throwaway venv with speculators 0.9 and the transformers it pins (this torch and flashdraft reused
+    through a .pth): its python."""
+    venv = tmp_path_factory.mktemp("spec") / "venv"
     subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
     python = str(venv / "bin" / "python")
     pip = [python, "-m", "pip", "install", "--quiet", "--disable-pip-version-check"]
@@ -94,6 +91,15 @@ def test_speculators_reads_the_export_as_trained(tmp_path, tiny_target):
     site = subprocess.run([python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
                           check=True, capture_output=True, text=True).stdout.strip()
     (Path(site) / "reuse.pth").write_text(f"{REPO}\n{sysconfig.get_paths()['purelib']}\n")  # after its own
+    return python
+
+
+@pytest.mark.slow
+def test_speculators_reads_the_export_as_trained(tmp_path, tiny_target, speculators_python):
+    """flashdraft's export command writes the checkpoint through speculators' own converter, and speculators'
+    DFlashDraftModel loads it with flashdraft's weights, layer ids, block size, mask token and attention layout."""
+    drafter = trained_drafter(tiny_target, tmp_path / "d", sliding_window=32)
+    python = speculators_python
 
     export = [python, "-m", "flashdraft", "export", "--format", "speculators", "--drafter", str(tmp_path / "d"),
               "--target", tiny_target, "--out", str(tmp_path / "spec")]
@@ -169,3 +175,43 @@ with torch.no_grad():
         assert torch.allclose(theirs["prepared"], prepared, atol=1e-5)
         assert torch.allclose(theirs["finished"], conv.finish(y, kernel), atol=1e-5)
     assert torch.equal(theirs["ids"], ids) and torch.allclose(theirs["scores"], scores, atol=1e-5)
+
+
+@pytest.mark.slow
+def test_the_loss_weights_equal_speculators_own(tmp_path, speculators_python):
+    """D-PACE and the decay weights per block position, from speculators' `dpace_loss_decay` and
+    `dflash_loss_decay` (what its DFlash trainer multiplies the cross-entropy by, with the anchor slot masked as
+    its DFlash model masks it) against flashdraft's `dpace_weights` and `build_blocks`, on the same random
+    cross-entropies and supervision. The normalisations differ by design: speculators divides by the count of
+    supervised positions of a batch, flashdraft by the weights' total over the whole optimizer step."""
+    from flashdraft.model.objective import build_blocks, dpace_weights
+
+    g = torch.Generator().manual_seed(0)
+    n, k = 12, 8
+    ce = torch.rand(n, k, generator=g) * 4
+    supervised = torch.rand(n, k, generator=g) > 0.2
+    supervised[:, 0] = False  # the anchor: given, not predicted
+    torch.save({"ce": ce, "mask": supervised.float()}, tmp_path / "in.pt")
+    check = f"""
+import torch
+from speculators.losses import dflash_loss_decay, dpace_loss_decay
+i = torch.load({str(tmp_path / 'in.pt')!r})
+mask = i["mask"].reshape(1, -1)
+ce = i["ce"].reshape(1, -1) * mask  # as its loss_function hands the cross-entropy to the weighting
+pos = (torch.arange(mask.shape[1]) % {k}).unsqueeze(0).float()
+out = {{str(a): dpace_loss_decay(pos, loss_mask=mask, block_size={k}, dpace_alpha=a, elementwise_loss=ce)
+       for a in (0.3, 0.5, 1.0)}}
+out["decay"] = dflash_loss_decay(pos, gamma=4.0) * mask
+torch.save(out, {str(tmp_path / 'out.pt')!r})
+"""
+    run = subprocess.run([speculators_python, "-c", check], capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr[-3000:]
+    theirs = torch.load(tmp_path / "out.pt")
+    for alpha in (0.3, 0.5, 1.0):
+        ours = dpace_weights(ce, supervised, alpha)
+        assert torch.allclose(theirs[str(alpha)].reshape(n, k), ours, rtol=1e-6, atol=1e-6), alpha
+    # the decay weights: a sequence whose supervision is the mask above, one anchor every k tokens
+    tokens = torch.zeros(n * k, dtype=torch.long)
+    anchors = torch.arange(0, n * k, k)
+    _, _, _, decay = build_blocks(tokens, supervised.reshape(-1), anchors, k, mask_token_id=1, gamma=4.0)
+    assert torch.allclose(theirs["decay"].reshape(n, k), decay, atol=1e-7)
