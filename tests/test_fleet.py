@@ -34,6 +34,11 @@ from safetensors.torch import load_file
 
 from flashdraft.testing import transformers_serve
 
+# Checkpoints every 2 steps, the store keeps the last 2: "two pushes seen" holds from step 4 on, so the run must be
+# long enough that the kill lands mid-run even when this process polls slowly on a loaded machine (at 12 steps a
+# loaded run once finished all of them first and the replacement had nothing left to train).
+STEPS = 24
+
 pytestmark = pytest.mark.slow
 
 
@@ -64,7 +69,7 @@ class Fleet:
             "tokenize": {"tokenizer": self.model, "block_size": 4, "min_loss_fraction": 0.0, "max_length": 256,
                          "workers": 1},
             "train": {"target": self.model, "num_layers": 1, "block_size": 4, "max_anchors": 4, "batch_size": 1,
-                      "micro_batch": 1, "max_steps": 12, "checkpoint_every": 2, "keep_checkpoints": 2,
+                      "micro_batch": 1, "max_steps": STEPS, "checkpoint_every": 2, "keep_checkpoints": 2,
                       "eval_samples": 2, "lr": 3e-3},
             "eval": {"target": self.model, "prompts": str(self.prompts), "max_prompts": 2, "max_new_tokens": 12},
         }
@@ -160,9 +165,9 @@ def test_a_fleet_of_machines_runs_the_pipeline_through_the_store(tmp_path, s3env
     fleet.run("reference-node", ["train", "--config", str(ref), "--data", str(spare_data), "--out",
                                  str(tmp_path / "reference-node" / "train")], launcher=torchrun(free_port()))
     mine, theirs = curve(tmp_path / "replacement-node" / "train"), curve(tmp_path / "reference-node" / "train")
-    assert mine and set(mine) <= set(theirs) and max(mine) == max(theirs) == 12
+    assert mine and set(mine) <= set(theirs) and max(mine) == max(theirs) == STEPS
     assert all(abs(mine[s] - theirs[s]) < 1e-4 for s in mine), (mine, theirs)
-    final = Path("train") / "checkpoints" / "step-0000012" / "drafter.safetensors"  # fp32, before the bf16 export
+    final = Path("train") / "checkpoints" / f"step-{STEPS:07d}" / "drafter.safetensors"  # fp32, before the bf16 export
     a = load_file(str(tmp_path / "replacement-node" / final))
     b = load_file(str(tmp_path / "reference-node" / final))
     assert a.keys() == b.keys() and all(torch.allclose(a[k], b[k], atol=1e-5) for k in a)
