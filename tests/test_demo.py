@@ -188,6 +188,7 @@ def test_readme_describes_the_demo_that_runs():
         f"blocks of {DEMO_SETTINGS['train.block_size']}, {DEMO_SETTINGS['train.max_anchors']} anchors a sequence",
         f"trained {DEMO_SETTINGS['train.max_steps']:,} steps",
         f"top-{DEMO_SETTINGS['train.distill_topk']} next tokens",
+        f"D-PACE loss weights (α {DEMO_SETTINGS['train.dpace_alpha']}) on the target's own greedy tokens",
         f"target features cached in {DEMO_SETTINGS['train.target_dtype']}",
         f"{DEMO_SETTINGS['train.draft_vocab_size']:,}-token draft vocabulary",
         f"{DEMO_SETTINGS['eval.max_prompts']} hand-written held-out prompts (`{DEMO_SETTINGS['eval.prompts']}`)",
