@@ -353,12 +353,19 @@ def test_fsdp_checkpoints_save_restore_and_export_the_whole_drafter(tiny_target,
     assert all(torch.equal(exported[k], final[k].to(torch.bfloat16)) for k in exported)  # whole, not a shard
 
     # Resume under FSDP: from step 2, into the shards, to the same end.
-    shutil.rmtree(tmp_path / "two" / "drafter")
-    shutil.rmtree(tmp_path / "two" / "checkpoints" / "step-0000004")
-    again = torchrun(*args, "--out", str(tmp_path / "two"))
+    again, resumed = rerun_without_the_end([*args, "--out", str(tmp_path / "two")], tmp_path / "two", "step-0000004")
     assert again.returncode == 0 and "resuming from step-0000002" in again.stdout + again.stderr
-    resumed = load_file(str(tmp_path / "two" / "checkpoints" / "step-0000004" / "drafter.safetensors"))
     assert all(torch.allclose(resumed[k], final[k], atol=1e-6) for k in final)
+
+
+def rerun_without_the_end(args: list[str], out: Path, last: str) -> tuple[subprocess.CompletedProcess, dict]:
+    """Delete a finished run's export and its `last` checkpoint (as if killed before writing them), run `args`
+    again under torchrun: the process, and the weights of the `last` checkpoint it wrote anew."""
+    shutil.rmtree(out / "drafter")
+    shutil.rmtree(out / "checkpoints" / last)
+    again = torchrun(*args)
+    written = out / "checkpoints" / last / "drafter.safetensors"
+    return again, load_file(str(written)) if written.exists() else {}
 
 
 def test_init_from_an_existing_drafter_starts_from_its_weights(tiny_target, tiny_dataset, tmp_path):
