@@ -89,10 +89,12 @@ def run(
         tokenizer = AutoTokenizer.from_pretrained(target_path)
         decoder = SpecDecoder(target, drafter, stop_token_ids(tokenizer, target.model.generation_config.eos_token_id))
 
+        # transformers < 5.25 marks hybrid linear-attention models stateful and its assisted generation refuses
+        # them; 5.25 rolls their state back itself and runs prompt lookup on them.
         stateful = getattr(target.model, "_is_stateful", False)
         if stateful:
-            log("eval: the prompt-lookup baseline is skipped: transformers' assisted generation refuses stateful "
-                "(hybrid linear-attention) models")
+            log("eval: the prompt-lookup baseline is skipped: this transformers' assisted generation refuses stateful "
+                "(hybrid linear-attention) models (5.25 and later run it)")
         per_prompt = []
         generator = torch.Generator(device=device).manual_seed(cfg.seed)
         log(f"eval: {len(prompts)} prompts, {cfg.max_new_tokens} new tokens each, temperature {cfg.temperature}")
@@ -103,7 +105,6 @@ def run(
             # Interleaved per prompt, so drift in machine load hits every method alike.
             spec = decoder.generate(ids, cfg.max_new_tokens, cfg.temperature, generator)
             base, base_s, _ = target_only(target, ids, cfg.max_new_tokens)
-            # transformers' prompt lookup (assisted generation) refuses stateful models (Qwen3.5/3.6 hybrids).
             pld, pld_s, pld_calls = ([], None, None) if stateful else target_only(target, ids, cfg.max_new_tokens,
                                                                                   lookup=cfg.prompt_lookup_tokens)
             diverged = divergence(target, ids, base, spec.tokens, cfg.near_tie_ulps) if cfg.temperature <= 0 else None
@@ -112,6 +113,8 @@ def run(
                 "accepted": spec.accepted, "spec_seconds": spec.seconds, "target_seconds": base_s,
                 "target_tokens": len(base), "lookup_seconds": pld_s, "lookup_tokens": len(pld),
                 "lookup_forwards": pld_calls,
+                # a baseline is only worth its speedup if it is lossless too: greedy lookup must emit target-only's
+                "lookup_lossless": pld == base if pld_s is not None and cfg.temperature <= 0 else None,
                 "lossless": (diverged is None or diverged["near_tie"]) if cfg.temperature <= 0 else None,
                 "divergence": diverged,
             })
@@ -120,8 +123,8 @@ def run(
         # the type greedy output was compared in
         report["target_dtype"] = str(target.model.dtype).removeprefix("torch.")
         stats = {key: report[key] for key in ("acceptance_length", "lossless", "speedup", "speedup_per_prompt",
-                                              "lookup_acceptance_length", "lookup_speedup", "prompts", "tokens_per_s",
-                                              "target_dtype", "near_ties")}
+                                              "lookup_acceptance_length", "lookup_speedup", "lookup_lossless",
+                                              "prompts", "tokens_per_s", "target_dtype", "near_ties")}
         with commit_dir(out, "eval", stats=stats, lineage=lineage) as building:  # its own files, renamed in whole
             atomic_write_text(building / "report.json", json.dumps({**report, "prompts": per_prompt}, indent=1))
             plot(report, building)

@@ -40,10 +40,12 @@ class TargetCache:
 
     Attention layers' KV caches are cropped. A hybrid's linear-attention layers (Gated DeltaNet: a recurrent
     state and a short convolution state, Qwen3.5/3.6) cannot be cropped: their state after the rejected drafts
-    has no inverse. They are snapshotted before each verify pass (a few small fixed-size tensors) and, after a
-    partial acceptance, restored and re-advanced over the accepted tokens with one more target pass. That is
-    exact with transformers' own kernels and needs no change to the model; per-position states would save the
-    extra pass but need kernels that emit every intermediate state. Only hybrids pay the extra pass.
+    has no inverse. They are snapshotted before each verify pass (a few small fixed-size tensors, and the token
+    count transformers ≥ 5.25 keeps beside them) and, after a partial acceptance, restored and re-advanced over the
+    accepted tokens with one more target pass. That is exact with transformers' own kernels and needs no change to
+    the model. transformers 5.25 can instead keep every intermediate recurrent state of a pass (computed token by
+    token) and crop to one; that would save the extra pass but ties decoding to an API one release old. Only
+    hybrids pay the extra pass.
     """
 
     def __init__(self, config) -> None:
@@ -56,7 +58,8 @@ class TargetCache:
         if not self.linear:
             return None
         return [(layer, {i: t.clone() for i, t in layer.conv_states.items() if t is not None},
-                 {i: t.clone() for i, t in layer.recurrent_states.items() if t is not None}) for layer in self.linear]
+                 {i: t.clone() for i, t in layer.recurrent_states.items() if t is not None},
+                 _token_count(layer)) for layer in self.linear]
 
     def keep(self, block: torch.Tensor, accepted: int, snapshot: list | None, advance) -> None:
         """After verifying `block` (1 × K tokens), keep its first `accepted` tokens."""
@@ -69,12 +72,23 @@ class TargetCache:
         for layer in self.cache.layers:
             if layer not in self.linear:
                 layer.crop(-block.shape[1])  # back to before the block; re-advanced below
-        for layer, conv, recurrent in snapshot:
+        for layer, conv, recurrent, count in snapshot:
             for i, t in conv.items():
                 layer.conv_states[i] = t
             for i, t in recurrent.items():
                 layer.recurrent_states[i] = t
+            if count is not None:  # in place: the counter's address is marked static for CUDA graphs
+                layer.cumulative_length_linear.copy_(count)
         advance(block[:, :accepted], self.cache)
+
+
+def _token_count(layer) -> torch.Tensor | None:
+    """A linear-attention layer's own count of the tokens it has seen (transformers ≥ 5.25), or None before it had
+    one. From 5.25 on, a hybrid's first layer answers `get_seq_length`, so the model's positions come from this
+    count: a restore that leaves it at "after the rejected drafts" shifts every later RoPE position and breaks
+    losslessness (tests/evaluate/test_targets.py caught it on 5.25)."""
+    count = getattr(layer, "cumulative_length_linear", None)
+    return None if count is None else count.clone()
 
 
 def _linear_layers(cache) -> list:

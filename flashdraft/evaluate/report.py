@@ -24,6 +24,7 @@ def summarize(per_prompt: list[dict], block_size: int, cfg: EvalConfig) -> dict[
         pld_tokens = sum(r["lookup_tokens"] - 1 for r in rows)
         pld_forwards = sum(r["lookup_forwards"] - 1 for r in rows) if lookup else None
         lossless = [r["lossless"] for r in rows if r["lossless"] is not None]
+        lookup_lossless = [r["lookup_lossless"] for r in rows if r.get("lookup_lossless") is not None]
         return {
             "prompts": len(rows),
             "acceptance_length": acceptance_length(steps),
@@ -41,6 +42,7 @@ def summarize(per_prompt: list[dict], block_size: int, cfg: EvalConfig) -> dict[
             "lookup_acceptance_length": pld_tokens / max(1, pld_forwards) if lookup else None,
             "lookup_speedup": base_s / max(pld_s, 1e-9) if lookup else None,
             "lossless": all(lossless) if lossless else None,
+            "lookup_lossless": all(lookup_lossless) if lookup_lossless else None,
             # prompts counted lossless because they first differ from target-only output at a near-tie
             "near_ties": sum(1 for r in rows if r.get("divergence") and r["divergence"]["near_tie"]),
         }
