@@ -39,13 +39,18 @@ class TargetCache:
     """The target's cache, kept at exactly the accepted prefix after every verify pass.
 
     Attention layers' KV caches are cropped. A hybrid's linear-attention layers (Gated DeltaNet: a recurrent
-    state and a short convolution state, Qwen3.5/3.6) cannot be cropped: their state after the rejected drafts
-    has no inverse. They are snapshotted before each verify pass (a few small fixed-size tensors, and the token
-    count transformers ≥ 5.25 keeps beside them) and, after a partial acceptance, restored and re-advanced over the
-    accepted tokens with one more target pass. That is exact with transformers' own kernels and needs no change to
-    the model. transformers 5.25 can instead keep every intermediate recurrent state of a pass (computed token by
-    token) and crop to one; that would save the extra pass but ties decoding to an API one release old. Only
-    hybrids pay the extra pass.
+    state and a short convolution state, Qwen3.5/3.6) cannot be cropped by slicing: their state after the rejected
+    drafts has no inverse. Two ways back, by what the installed transformers offers:
+    - transformers ≥ 5.25 records them itself (`activate_past_recording(recurrent_states_to_keep=K)`): during a
+      verify pass of K tokens each layer keeps its recurrent state after every one of them (the last K tokens go
+      through the token-by-token kernel instead of the chunked one) and its whole convolution input, and `crop`
+      picks the state after the accepted prefix. No extra target pass. Recording starts after the prefill, as
+      transformers' own assisted generation does.
+    - Before 5.25 the states are snapshotted before each verify pass (a few small fixed-size tensors) and, after a
+      partial acceptance, restored and re-advanced over the accepted tokens with one more target pass.
+    Both are exact with transformers' own kernels (tests/evaluate/test_targets.py runs the hybrids on each). 5.25 also
+    counts tokens in each linear-attention layer and reads the model's positions from that count, so the snapshot
+    way, which does not restore it, is taken only where the count does not exist.
     """
 
     def __init__(self, config) -> None:
@@ -53,17 +58,27 @@ class TargetCache:
 
         self.cache = DynamicCache(config=config)
         self.linear = _linear_layers(self.cache)
+        self.records_states = bool(self.linear) and _records_recurrent_states(self.linear[0])
+        self.recording = False
 
-    def snapshot(self) -> list | None:
+    def snapshot(self, block_size: int) -> list | None:
+        """Called before a verify pass of `block_size` tokens: what `keep` needs to roll it back."""
         if not self.linear:
             return None
+        if self.records_states:
+            if not self.recording:
+                self.cache.activate_past_recording(recurrent_states_to_keep=block_size)
+                self.recording = True
+            return None
         return [(layer, {i: t.clone() for i, t in layer.conv_states.items() if t is not None},
-                 {i: t.clone() for i, t in layer.recurrent_states.items() if t is not None},
-                 _token_count(layer)) for layer in self.linear]
+                 {i: t.clone() for i, t in layer.recurrent_states.items() if t is not None}) for layer in self.linear]
 
     def keep(self, block: torch.Tensor, accepted: int, snapshot: list | None, advance) -> None:
         """After verifying `block` (1 × K tokens), keep its first `accepted` tokens."""
         drop = block.shape[1] - accepted
+        if self.records_states:  # crop(0) too: it trims the recorded history back to what the next pass needs
+            self.cache.crop(-drop)
+            return
         if drop == 0:
             return
         if snapshot is None:  # attention only: a negative crop removes that many trailing tokens
@@ -72,23 +87,17 @@ class TargetCache:
         for layer in self.cache.layers:
             if layer not in self.linear:
                 layer.crop(-block.shape[1])  # back to before the block; re-advanced below
-        for layer, conv, recurrent, count in snapshot:
+        for layer, conv, recurrent in snapshot:
             for i, t in conv.items():
                 layer.conv_states[i] = t
             for i, t in recurrent.items():
                 layer.recurrent_states[i] = t
-            if count is not None:  # in place: the counter's address is marked static for CUDA graphs
-                layer.cumulative_length_linear.copy_(count)
         advance(block[:, :accepted], self.cache)
 
 
-def _token_count(layer) -> torch.Tensor | None:
-    """A linear-attention layer's own count of the tokens it has seen (transformers ≥ 5.25), or None before it had
-    one. From 5.25 on, a hybrid's first layer answers `get_seq_length`, so the model's positions come from this
-    count: a restore that leaves it at "after the rejected drafts" shifts every later RoPE position and breaks
-    losslessness (tests/evaluate/test_targets.py caught it on 5.25)."""
-    count = getattr(layer, "cumulative_length_linear", None)
-    return None if count is None else count.clone()
+def _records_recurrent_states(layer) -> bool:
+    """Whether this transformers' linear-attention cache can keep per-token recurrent states (≥ 5.25)."""
+    return "recurrent_states_to_keep" in inspect.signature(layer.activate_past_recording).parameters
 
 
 def _linear_layers(cache) -> list:
@@ -187,7 +196,7 @@ class SpecDecoder:
                                      ctx_kv=state.ctx_kv)
         drafts, q = self._draft(hidden[0], state.anchor, temperature, sampler)
         block[0, 1:] = drafts
-        snapshot = state.cache.snapshot()
+        snapshot = state.cache.snapshot(k)
         target_logits, features = self._target_pass(block, state.cache.cache)
         n, bonus = _verify(drafts, q, target_logits[0], temperature, sampler)
         state.cache.keep(block, n + 1, snapshot, self._target_pass)  # the anchor and the accepted drafts
