@@ -48,9 +48,9 @@ class TargetCache:
       transformers' own assisted generation does.
     - Before 5.25 the states are snapshotted before each verify pass (a few small fixed-size tensors) and, after a
       partial acceptance, restored and re-advanced over the accepted tokens with one more target pass.
-    Both are exact with transformers' own kernels (tests/evaluate/test_targets.py runs the hybrids on each). 5.25 also
-    counts tokens in each linear-attention layer and reads the model's positions from that count, so the snapshot
-    way, which does not restore it, is taken only where the count does not exist.
+    Both are exact with transformers' own kernels (tests/evaluate/test_targets.py runs the hybrids on each). The
+    snapshot way does not restore the token count that 5.25 added to each linear-attention layer (the model reads
+    its positions from it), so it serves only releases without that count: asserted, not assumed.
     """
 
     def __init__(self, config) -> None:
@@ -59,16 +59,15 @@ class TargetCache:
         self.cache = DynamicCache(config=config)
         self.linear = _linear_layers(self.cache)
         self.records_states = bool(self.linear) and _records_recurrent_states(self.linear[0])
-        self.recording = False
+        assert self.records_states or not any(hasattr(layer, "cumulative_length_linear") for layer in self.linear)
 
     def snapshot(self, block_size: int) -> list | None:
         """Called before a verify pass of `block_size` tokens: what `keep` needs to roll it back."""
         if not self.linear:
             return None
         if self.records_states:
-            if not self.recording:
+            if not self.linear[0].record_past:  # from the first verify pass on, not during the prefill
                 self.cache.activate_past_recording(recurrent_states_to_keep=block_size)
-                self.recording = True
             return None
         return [(layer, {i: t.clone() for i, t in layer.conv_states.items() if t is not None},
                  {i: t.clone() for i, t in layer.recurrent_states.items() if t is not None}) for layer in self.linear]

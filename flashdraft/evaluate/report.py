@@ -24,7 +24,7 @@ def summarize(per_prompt: list[dict], block_size: int, cfg: EvalConfig) -> dict[
         pld_tokens = sum(r["lookup_tokens"] - 1 for r in rows)
         pld_forwards = sum(r["lookup_forwards"] - 1 for r in rows) if lookup else None
         lossless = [r["lossless"] for r in rows if r["lossless"] is not None]
-        lookup_lossless = [r["lookup_lossless"] for r in rows if r.get("lookup_lossless") is not None]
+        lookup_lossless = [r["lookup_lossless"] for r in rows if r["lookup_lossless"] is not None]
         return {
             "prompts": len(rows),
             "acceptance_length": acceptance_length(steps),
