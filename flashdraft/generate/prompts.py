@@ -212,8 +212,9 @@ def templated_like(train: list[Prompt], heldout: list[Prompt]) -> list[str]:
 def builtin_prompts(name: str) -> list[dict[str, str]]:
     """The demo prompt sets, generated from templates with a fixed seed: `demo` (≥ 400 distinct prompts) and
     `demo-heldout` (60), which never share a prompt: they draw from disjoint numbers and subjects — but share
-    templates. `chat`, `chat-more` / `chat-heldout` are hand-written and share none (builtin_chat.py,
-    builtin_chat_more.py). Sets joined by `+` (`chat+chat-more`, what the demo trains on) are read in turn.
+    templates. `chat`, `chat-more`, `chat-extra` / `chat-heldout` are hand-written and share none (builtin_chat.py,
+    builtin_chat_more.py, builtin_chat_extra.py). Sets joined by `+` (`chat+chat-more`, what the demo trains on)
+    are read in turn.
     """
     if "+" in name:
         return [record for part in name.split("+") for record in builtin_prompts(part)]
@@ -226,10 +227,15 @@ def builtin_prompts(name: str) -> list[dict[str, str]]:
         from flashdraft.generate.builtin_chat_more import MORE
 
         return records(MORE)
+    if name == "chat-extra":
+        from flashdraft.generate.builtin_chat import records
+        from flashdraft.generate.builtin_chat_extra import EXTRA
+
+        return records(EXTRA)
     if name not in ("demo", "demo-heldout"):
         raise BadInput(f"unknown built-in prompt set {name!r}: use builtin:demo, builtin:demo-heldout, "
-                       "builtin:chat, builtin:chat-more or builtin:chat-heldout, or several joined by + "
-                       "(builtin:chat+chat-more)")
+                       "builtin:chat, builtin:chat-more, builtin:chat-extra or builtin:chat-heldout, or several "
+                       "joined by + (builtin:chat+chat-more)")
     heldout = name == "demo-heldout"
     rng = random.Random(1234 if heldout else 42)
 

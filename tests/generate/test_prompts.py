@@ -139,12 +139,24 @@ def test_what_the_demo_trains_on_shares_no_template_with_what_it_is_judged_on():
     assert not {p.id for p in more} & {p.id for p in load_prompts("builtin:chat").prompts}
 
 
+def test_chat_extra_is_new_hand_written_prompts_no_held_out_one_is_templated_from():
+    """`builtin:chat-extra` adds distinct prompts (the data lever): none repeats a `chat` / `chat-more` prompt,
+    and none shares an opening or a third of its 4-grams with a held-out prompt."""
+    extra = load_prompts("builtin:chat-extra")
+    assert len(extra.prompts) == 1047 and not extra.rejected
+    assert {p.category for p in extra.prompts[:4]} == {"math", "code", "explain", "writing"}
+    earlier = load_prompts("builtin:chat+chat-more").prompts
+    assert not {p.id for p in extra.prompts} & {p.id for p in earlier}
+    heldout = load_prompts("builtin:chat-heldout").prompts
+    assert templated_like(extra.prompts, heldout) == [] and templated_like(heldout, extra.prompts) == []
+
+
 def test_eval_measures_by_default_on_prompts_no_shipped_training_set_shares_a_template_with():
     """`flashdraft eval` without --prompts: τ on hand-written prompts, not on the demo set's own templates."""
     from flashdraft.config import EvalConfig, GenerateConfig
 
     judged = load_prompts(EvalConfig().prompts).prompts
-    for trained in (GenerateConfig().prompts, "builtin:chat+chat-more+demo"):
+    for trained in (GenerateConfig().prompts, "builtin:chat+chat-more+chat-extra+demo"):
         assert templated_like(load_prompts(trained).prompts, judged) == [], trained
     assert templated_like(load_prompts("builtin:demo").prompts, load_prompts("builtin:demo-heldout").prompts)
 
