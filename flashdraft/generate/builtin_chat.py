@@ -204,7 +204,8 @@ def chat_records(heldout: bool) -> list[dict]:
 
 def records(source: dict[str, list]) -> list[dict]:
     """A hand-written set as prompt records (`prompt` or `messages`, with `category`), the kinds interleaved so
-    that the first N prompts (`max_prompts`) cover every kind. Also reads `builtin_chat_more.MORE` and `builtin_chat_extra.EXTRA`."""
+    that the first N prompts (`max_prompts`) cover every kind. Also reads `builtin_chat_more.MORE` and
+    `builtin_chat_extra.EXTRA`."""
     by_kind = []
     for category, prompts in source.items():
         by_kind.append([{"messages": p, "category": "multi-turn"} if isinstance(p, list)

@@ -143,7 +143,7 @@ def test_chat_extra_is_new_hand_written_prompts_no_held_out_one_is_templated_fro
     """`builtin:chat-extra` adds distinct prompts (the data lever): none repeats a `chat` / `chat-more` prompt,
     and none shares an opening or a third of its 4-grams with a held-out prompt."""
     extra = load_prompts("builtin:chat-extra")
-    assert len(extra.prompts) == 1047 and not extra.rejected
+    assert len(extra.prompts) == 2082 and not extra.rejected
     assert {p.category for p in extra.prompts[:4]} == {"math", "code", "explain", "writing"}
     earlier = load_prompts("builtin:chat+chat-more").prompts
     assert not {p.id for p in extra.prompts} & {p.id for p in earlier}
