@@ -213,8 +213,8 @@ def builtin_prompts(name: str) -> list[dict[str, str]]:
     """The demo prompt sets, generated from templates with a fixed seed: `demo` (≥ 400 distinct prompts) and
     `demo-heldout` (60), which never share a prompt: they draw from disjoint numbers and subjects — but share
     templates. `chat`, `chat-more`, `chat-extra` / `chat-heldout` are hand-written and share none (builtin_chat.py,
-    builtin_chat_more.py, builtin_chat_extra.py). Sets joined by `+` (`chat+chat-more`, what the demo trains on)
-    are read in turn.
+    builtin_chat_more.py, builtin_chat_extra.py). Sets joined by `+` (`chat+chat-more+chat-extra`, what the demo
+    trains on) are read in turn.
     """
     if "+" in name:
         return [record for part in name.split("+") for record in builtin_prompts(part)]
@@ -222,16 +222,14 @@ def builtin_prompts(name: str) -> list[dict[str, str]]:
         from flashdraft.generate.builtin_chat import chat_records
 
         return chat_records(heldout=name == "chat-heldout")
-    if name == "chat-more":
+    if name in ("chat-more", "chat-extra"):  # imported only when asked for: thousands of lines each
         from flashdraft.generate.builtin_chat import records
-        from flashdraft.generate.builtin_chat_more import MORE
 
-        return records(MORE)
-    if name == "chat-extra":
-        from flashdraft.generate.builtin_chat import records
-        from flashdraft.generate.builtin_chat_extra import EXTRA
-
-        return records(EXTRA)
+        if name == "chat-more":
+            from flashdraft.generate.builtin_chat_more import MORE as written
+        else:
+            from flashdraft.generate.builtin_chat_extra import EXTRA as written
+        return records(written)
     if name not in ("demo", "demo-heldout"):
         raise BadInput(f"unknown built-in prompt set {name!r}: use builtin:demo, builtin:demo-heldout, "
                        "builtin:chat, builtin:chat-more, builtin:chat-extra or builtin:chat-heldout, or several "
