@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -93,3 +94,20 @@ def prompt_id(messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None
     canonical = json.dumps(messages if tools is None else {"messages": messages, "tools": tools},
                            sort_keys=True, ensure_ascii=False, separators=(",", ":"))
     return hashlib.sha256(canonical.encode("utf-8")).hexdigest()[:16]
+
+
+def words(text: str) -> list[str]:
+    """Lower-case words and numbers: how prompts are compared for kinship (`opening_key`, `templated_like`)."""
+    return re.findall(r"[a-z0-9']+", text.lower())
+
+
+OPENING_WORDS = 3
+
+
+def opening_key(messages: list[dict[str, Any]]) -> int:
+    """A 64-bit key of the first user turn's first three words. Two prompts with one key are kin (the same
+    question with other numbers, a turn of the same conversation): the held-out pick in train takes only samples
+    whose key no other sample has, as eval's held-out prompts are written (DESIGN §6, issue 31)."""
+    first = next((m.get("content") for m in messages if m.get("role") == "user"), None)
+    opening = " ".join(words(first if isinstance(first, str) else "")[:OPENING_WORDS])
+    return int.from_bytes(hashlib.blake2b(opening.encode(), digest_size=8).digest(), "little", signed=True)

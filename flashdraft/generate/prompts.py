@@ -12,7 +12,6 @@ records are returned with their line number and the reason, never silently skipp
 from __future__ import annotations
 
 import random
-import re
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -28,6 +27,7 @@ from flashdraft.records import (
     parse_json,
     prompt_id,
     turn_extras,
+    words,
 )
 
 BUILTIN = "builtin:"
@@ -190,16 +190,13 @@ def templated_like(train: list[Prompt], heldout: list[Prompt]) -> list[str]:
     """The held-out prompts (their user text) that look templated from a training one: the same first three
     words, or a third or more of their word 4-grams found in one training prompt. How the built-in held-out sets
     are kept honest (tested), and how generated prompts are screened against them."""
-    def words(prompt: Prompt) -> list[str]:
-        return re.findall(r"[a-z0-9']+", user_text(prompt).lower())
-
     def grams(ws: list[str]) -> set[tuple[str, ...]]:
         return {tuple(ws[i : i + 4]) for i in range(len(ws) - 3)}
 
-    seen = [(ws, grams(ws)) for ws in map(words, train)]
+    seen = [(ws, grams(ws)) for ws in (words(user_text(p)) for p in train)]
     flagged = []
     for p in heldout:
-        mine_words = words(p)
+        mine_words = words(user_text(p))
         mine = grams(mine_words)
         for other_words, other_grams in seen:
             shared_opening = len(mine_words) >= 3 and mine_words[:3] == other_words[:3]

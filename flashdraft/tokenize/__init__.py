@@ -12,7 +12,8 @@ see `token_offsets`). Supervised = those tokens up to and including the end-of-t
 after it (a newline) is not. Tokens are never re-encoded per prefix.
 
 Output: the `datasets.save_to_disk` layout (`datasets.load_from_disk` opens it) with columns `id`,
-`input_ids` (int32), `loss_mask` (uint8), `num_tokens`; manifest stats `samples`, `tokens`, `loss_tokens`,
+`input_ids` (int32), `loss_mask` (uint8), `num_tokens`, `prompt_opening` (a key of the first user turn's first
+words: train holds out samples whose key no other sample shares); manifest stats `samples`, `tokens`, `loss_tokens`,
 `loss_fraction`, `rejected`, `truncated`, `anchor_valid_samples`, a length histogram and per-shard stats,
 `longest`, `largest_token_id`; `token_counts.safetensors` counts each token id (in all and where supervised).
 """

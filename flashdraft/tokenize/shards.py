@@ -20,6 +20,7 @@ class Row(NamedTuple):
     id: str
     input_ids: np.ndarray  # int32
     loss_mask: np.ndarray  # uint8
+    prompt_opening: int  # flashdraft.records.opening_key of its conversation: which samples are kin
 
 
 def _value(dtype: str) -> dict[str, str]:
@@ -33,6 +34,7 @@ FEATURES = {
     "input_ids": {"feature": _value("int32"), "_type": "List"},
     "loss_mask": {"feature": _value("uint8"), "_type": "List"},
     "num_tokens": _value("int32"),
+    "prompt_opening": _value("int64"),
 }
 
 
@@ -40,7 +42,7 @@ def arrow_schema():
     import pyarrow as pa
 
     fields = [("id", pa.string()), ("input_ids", pa.list_(pa.int32())), ("loss_mask", pa.list_(pa.uint8())),
-              ("num_tokens", pa.int32())]
+              ("num_tokens", pa.int32()), ("prompt_opening", pa.int64())]
     return pa.schema(fields, metadata={"huggingface": json.dumps({"info": {"features": FEATURES}})})
 
 
@@ -93,6 +95,7 @@ class ShardWriter:
                 pa.ListArray.from_arrays(pa.array(offsets), pa.array(all_ids, pa.int32())),
                 pa.ListArray.from_arrays(pa.array(offsets), pa.array(all_mask, pa.uint8())),
                 pa.array(lengths, pa.int32()),
+                pa.array([r.prompt_opening for r in rows], pa.int64()),
             ],
             schema=self.schema,
         )

@@ -1,4 +1,5 @@
-"""The tokenize worker: a chunk of raw records → rows (id, input_ids, loss_mask) and counts, in one process each.
+"""The tokenize worker: a chunk of raw records → rows (id, input_ids, loss_mask, prompt_opening) and counts, in
+one process each.
 
 Workers are spawned processes holding a loaded Renderer; they parse, render, encode (one `encode_batch_fast`
 per chunk), build masks and sum the per-row stats, so the parent only collects rows and writes shards.
@@ -16,7 +17,7 @@ import numpy as np
 
 from flashdraft.config import TokenizeConfig
 from flashdraft.model.resolve import vocab_fingerprint
-from flashdraft.records import BadRecord
+from flashdraft.records import BadRecord, opening_key
 from flashdraft.tokenize.offsets import encode, longest_run, mask_from_spans, prompt_tail
 from flashdraft.tokenize.records import Item, conversation
 from flashdraft.tokenize.render import Renderer
@@ -34,6 +35,7 @@ class Prepared:
     spans: list[tuple[int, int]]
     prompt_text: str
     token_ids: list[int] | None
+    opening: int  # the conversation's opening_key, shared by the samples made from its turns
 
 
 @dataclass
@@ -107,8 +109,9 @@ def process_chunk(items: list[Item]) -> ChunkResult:
             result.rejected.append({"file": source, "line": line, "reason": f"chat template failed: {e}"})
             continue
         result.turns_as_own_samples += len(own)
-        prepared.append(Prepared(source, line, record.id, text, spans, prompt_text, record.token_ids))
-        prepared.extend(Prepared(source, line, f"{record.id}#turn{i}", own_text, [span], own_prompt, None)
+        opening = opening_key(record.messages)
+        prepared.append(Prepared(source, line, record.id, text, spans, prompt_text, record.token_ids, opening))
+        prepared.extend(Prepared(source, line, f"{record.id}#turn{i}", own_text, [span], own_prompt, None, opening)
                         for i, own_text, span, own_prompt in own)
 
     encodings = encode(backend, renderer.byte_lengths, [p.text for p in prepared])
@@ -131,7 +134,7 @@ def process_chunk(items: list[Item]) -> ChunkResult:
         if not supervised:
             result.rejected.append({"file": p.source, "line": p.line, "reason": "no supervised tokens left"})
             continue
-        result.rows.append(Row(p.id, ids, mask))
+        result.rows.append(Row(p.id, ids, mask, p.opening))
         result.loss_tokens += supervised
         result.anchor_valid += longest_run(mask) >= cfg.block_size
     return result

@@ -2,13 +2,15 @@
 
 Every check here runs before any compute, so a dataset that cannot train this target fails in seconds. None of
 them reads every token: what they need about the ids comes from the counts tokenize wrote beside the shards
-(`flashdraft.tokenize.token_counts`), so a start-up costs the same on 10K samples as on 900K.
+(`flashdraft.tokenize.token_counts`), so a start-up costs the same on 10K samples as on 900K. The held-out pick
+reads one 8-byte key a sample (`prompt_opening`), 7 MB for 900K.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from flashdraft.config import TrainConfig
@@ -97,12 +99,35 @@ def pick_mask_token(cfg: TrainConfig, target_config, target_path: str, counts: T
     return int(unused[-1])
 
 
-def split_heldout(n: int, eval_samples: int, seed: int) -> tuple[list[int], list[int]]:
+def split_heldout(n: int, eval_samples: int, seed: int, openings: np.ndarray | None = None
+                  ) -> tuple[list[int], list[int]]:
     """(training, held-out) sample indices. The held-out ones are a seeded random pick, not the tail: datasets
-    often come sorted (by prompt category, by source), and a tail would measure one kind of text only."""
+    often come sorted (by prompt category, by source), and a tail would measure one kind of text only.
+
+    With `openings` (tokenize's `prompt_opening` column) samples without kin come first: those whose prompt
+    opens with words no other sample's does. A held-out sample whose kin is trained on (the same question with
+    other numbers, another turn of its conversation) is easier than a prompt written apart, as eval's are: on
+    the demo the log's serving walk read 0.11 above eval over a random pick and 0.03 over kin-free samples
+    (measured, issue 31). Kin samples fill up only when too few have none."""
     n_eval = min(eval_samples, max(0, n // 10))
-    perm = torch.randperm(n, generator=torch.Generator().manual_seed(seed)).tolist()
-    return sorted(perm[n_eval:]), sorted(perm[:n_eval])
+    perm = torch.randperm(n, generator=torch.Generator().manual_seed(seed)).numpy()
+    if openings is not None:
+        perm = perm[np.argsort(~kin_free(openings)[perm], kind="stable")]  # kin-free first, each in seeded order
+    return sorted(perm[n_eval:].tolist()), sorted(perm[:n_eval].tolist())
+
+
+def kin_free(openings: np.ndarray) -> np.ndarray:
+    """Which samples' opening key no other sample has."""
+    _, inverse, counts = np.unique(openings, return_inverse=True, return_counts=True)
+    return counts[inverse] == 1
+
+
+def prompt_openings(dataset) -> np.ndarray | None:
+    """The dataset's `prompt_opening` column (8 bytes a row, not its tokens), or None for a dataset made before
+    it existed or by another tool: then the held-out pick is plain random."""
+    if "prompt_opening" not in dataset.column_names:
+        return None
+    return dataset.data.column("prompt_opening").to_numpy()
 
 
 def choose_draft_vocab(counts: TokenCounts, size: int, vocab_size: int) -> torch.Tensor:

@@ -9,6 +9,7 @@ from transformers import AutoTokenizer
 from flashdraft.artifact.manifest import MANIFEST, read_manifest, verify_dir
 from flashdraft.config import TokenizeConfig
 from flashdraft.errors import BadInput
+from flashdraft.records import opening_key
 from flashdraft.tokenize import QualityGateFailed, run
 from flashdraft.tokenize.offsets import longest_run
 from flashdraft.tokenize.render import Renderer
@@ -166,6 +167,8 @@ def test_qwen3_style_thinking_an_earlier_turn_becomes_its_own_sample(tmp_path, q
     assert supervised_text(qwen_tok_dir, earlier) == [expected]
     assert "2+2?" not in AutoTokenizer.from_pretrained(qwen_tok_dir).decode(earlier["input_ids"])
     assert stats["turns_as_own_samples"] == 1 and stats["prompt_token_mismatches"] == 0
+    # both samples are of one conversation: kin, so train never holds out one while training on the other
+    assert earlier["prompt_opening"] == whole["prompt_opening"] == opening_key(records[0]["messages"])
 
 
 def test_qwen3_style_thinking_off_supervises_answer_after_the_empty_think_block(tmp_path, qwen_tok_dir):
@@ -342,7 +345,7 @@ def test_written_schema_is_what_datasets_itself_describes():
     from flashdraft.tokenize.shards import FEATURES, arrow_schema
 
     expected = Features({"id": Value("string"), "input_ids": List(Value("int32")), "loss_mask": List(Value("uint8")),
-                         "num_tokens": Value("int32")})
+                         "num_tokens": Value("int32"), "prompt_opening": Value("int64")})
     assert FEATURES == expected.to_dict()
     assert arrow_schema() == expected.arrow_schema and arrow_schema().metadata == expected.arrow_schema.metadata
 
