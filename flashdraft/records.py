@@ -106,8 +106,8 @@ OPENING_WORDS = 3
 
 def opening_key(messages: list[dict[str, Any]]) -> int:
     """A 64-bit key of the first user turn's first three words. Two prompts with one key are kin (the same
-    question with other numbers, a turn of the same conversation): the held-out pick in train takes only samples
-    whose key no other sample has, as eval's held-out prompts are written (DESIGN §6, issue 31)."""
+    question with other numbers, a turn of the same conversation): train's held-out pick takes samples whose key
+    no other sample has first, as eval's held-out prompts are written apart from the training ones (issue 31)."""
     first = next((m.get("content") for m in messages if m.get("role") == "user"), None)
     opening = " ".join(words(first if isinstance(first, str) else "")[:OPENING_WORDS])
     return int.from_bytes(hashlib.blake2b(opening.encode(), digest_size=8).digest(), "little", signed=True)
