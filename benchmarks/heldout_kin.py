@@ -42,13 +42,13 @@ def main() -> None:
     sys.path.insert(0, str(ROOT))
     from flashdraft.artifact.manifest import read_manifest
     from flashdraft.demo import demo_config
-    from flashdraft.train.data import kin_free, prompt_openings, split_heldout
+    from flashdraft.train.data import kin_free, run_split
     from flashdraft.train.feature_cache import FeatureCache
 
     work, cfg = args.workdir, demo_config(args.workdir).train
     data = work / "dataset"
     dataset = load_from_disk(str(data))
-    _, heldout = split_heldout(len(dataset), cfg.eval_samples, cfg.seed, prompt_openings(dataset))  # as the run did
+    _, heldout = run_split(dataset, cfg)  # the run's own pick
     free = kin_free(openings(work, dataset))
     cache = FeatureCache(work / "train" / "features")
     groups = {"all": heldout, "with kin": [i for i in heldout if not free[i]],

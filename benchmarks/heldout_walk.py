@@ -22,13 +22,13 @@ ROOT = Path(__file__).resolve().parent.parent
 
 def rescore(work: Path, lever: str) -> dict:
     from flashdraft.config import TrainConfig
-    from flashdraft.train.data import split_heldout
+    from flashdraft.train.data import run_split
     from flashdraft.train.feature_cache import FeatureCache
 
     out = lever_out(work, lever)
     cfg = TrainConfig(**yaml.safe_load((work / f"lever-{lever}.yaml").read_text())["train"])
     data = work / "demo" / "dataset"
-    _, heldout = split_heldout(len(load_from_disk(str(data))), cfg.eval_samples, cfg.seed)
+    _, heldout = run_split(load_from_disk(str(data)), cfg)  # the run's own pick
     cache = FeatureCache(out / "features") if (out / "features").exists() else None
     now = score(out / "drafter", data, cfg.target_dtype, cfg, heldout, cache)
     logged = [json.loads(line)["heldout"] for line in (out / "metrics.jsonl").read_text().splitlines()

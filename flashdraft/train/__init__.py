@@ -74,7 +74,7 @@ from flashdraft.train.data import (
     load_dataset_checked,
     pick_mask_token,
     prompt_openings,
-    split_heldout,
+    run_split,
     token_counts,
 )
 from flashdraft.train.distributed import Placement, barrier, checked_once_a_node, place, wrap
@@ -239,9 +239,8 @@ def setup(cfg: TrainConfig, data: Path, out: Path, target_path: str, where: Plac
     dataset = load_dataset_checked(data, block_size, target.config.vocab_size, cfg.max_length)
     counts = token_counts(data, dataset, where.world)
     check_token_ids(counts, target.config.vocab_size)
-    openings = prompt_openings(dataset)
-    train_ids, heldout_ids = split_heldout(len(dataset), cfg.eval_samples, cfg.seed, openings)
-    if openings is not None and heldout_ids:
+    train_ids, heldout_ids = run_split(dataset, cfg)
+    if (openings := prompt_openings(dataset)) is not None and heldout_ids:
         free = int(kin_free(openings)[heldout_ids].sum())
         say(f"train: held out {len(heldout_ids)} samples, {free} of them without kin in training (no other "
             "prompt opens with their first three words), as eval's held-out prompts are written")

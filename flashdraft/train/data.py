@@ -116,6 +116,12 @@ def split_heldout(n: int, eval_samples: int, seed: int, openings: np.ndarray | N
     return sorted(perm[n_eval:].tolist()), sorted(perm[:n_eval].tolist())
 
 
+def run_split(dataset, cfg: TrainConfig) -> tuple[list[int], list[int]]:
+    """The (training, held-out) split a run with `cfg` makes of `dataset`: for train, and for tools that re-score
+    its held-out samples."""
+    return split_heldout(len(dataset), cfg.eval_samples, cfg.seed, prompt_openings(dataset))
+
+
 def kin_free(openings: np.ndarray) -> np.ndarray:
     """Which samples' opening key no other sample has."""
     _, inverse, counts = np.unique(openings, return_inverse=True, return_counts=True)

@@ -86,11 +86,11 @@ def test_training_reports_the_walk_beside_the_per_anchor_value(greedy_run, tiny_
     from flashdraft import evaluate
     from flashdraft.config import EvalConfig
     from flashdraft.generate.prompts import load_prompts
-    from flashdraft.train.data import prompt_openings, split_heldout
+    from flashdraft.train.data import run_split
 
     work, prompts, cfg, held = greedy_run
     dataset = load_from_disk(str(work / "ds"))
-    _, heldout = split_heldout(len(dataset), cfg.eval_samples, cfg.seed, prompt_openings(dataset))
+    _, heldout = run_split(dataset, cfg)  # the run's own pick
     ids = {dataset[i]["id"] for i in heldout}
     lines, parsed = prompts.read_text().splitlines(), load_prompts(str(prompts)).prompts
     assert len(lines) == len(parsed)
