@@ -6,7 +6,8 @@ import numpy as np
 import torch
 from datasets import load_from_disk
 
-from flashdraft.config import TokenizeConfig
+from flashdraft import train
+from flashdraft.config import TokenizeConfig, TrainConfig
 from flashdraft.records import opening_key
 from flashdraft.tokenize import run
 from flashdraft.train.data import kin_free, prompt_openings, split_heldout
@@ -47,7 +48,7 @@ def test_samples_without_kin_are_held_out_first_and_kin_fill_up_only_when_too_fe
     assert kin_free(np.array([1, 2, 1, 3])).tolist() == [False, True, False, True]
 
 
-def test_tokenize_keys_every_sample_and_train_holds_out_the_kin_free(tmp_path, smollm2_dir):
+def test_tokenize_keys_every_sample_and_train_holds_out_the_kin_free(tmp_path, smollm2_dir, tiny_model_dir):
     # 24 prompts from one template (kin) and 8 written apart; answers long enough to supervise
     templated = [conv(f"How many apples are {i} plus {i + 1}?", f"That is {2 * i + 1} apples. " * 3) for i in range(24)]
     apart = [conv(text, "A short, plain answer to that. " * 3) for text in
@@ -66,3 +67,10 @@ def test_tokenize_keys_every_sample_and_train_holds_out_the_kin_free(tmp_path, s
     # a random pick from this data mostly lands on the template (3/4 of it): the test can fail
     _, random_held = split_heldout(len(dataset), 3, seed=0)
     assert not all(dataset[i]["prompt_opening"] in apart_keys for i in random_held)
+    # a training run makes the same pick and says so
+    lines = []
+    cfg = TrainConfig(target=tiny_model_dir, num_layers=1, block_size=4, max_anchors=4, batch_size=2, max_steps=1,
+                      eval_samples=3, checkpoint_every=100)
+    stats = train.run(cfg, tmp_path / "ds", tmp_path / "train", log=lines.append)
+    assert "train: held out 3 samples, 3 of them without kin in training" in "\n".join(lines)
+    assert stats["heldout"]["samples"] == 3 and stats["train_samples"] == 29
