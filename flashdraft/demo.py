@@ -86,10 +86,15 @@ def run_demo(workdir: Path, console: Console) -> None:
 
 
 def summary_line(cfg: PipelineConfig) -> str:
-    """The demo's last line: τ on the held-out prompts beside prompt lookup's, read from the verified eval."""
+    """The demo's last line: τ on the held-out prompts beside prompt lookup's and beside what the training log
+    predicted (its serving walk over held-out samples), read from the verified eval and drafter."""
     stats = read_manifest(stage_dir(cfg.workdir, "eval")).stats
     lookup = stats.get("lookup_acceptance_length")
+    held = read_manifest(stage_dir(cfg.workdir, "train")).stats.get("heldout") or {}
+    predicted = held.get("serving_acceptance_length")
     return (f"demo: acceptance length τ = {stats['acceptance_length']:.2f} on {stats['prompts']} held-out prompts "
             f"({cfg.eval.prompts})"
             + (f"; prompt lookup τ {lookup:.2f}" if lookup is not None else "")
+            + (f"; the training log predicted {predicted:.2f} ({held['samples']} held-out samples)"
+               if predicted is not None else "")
             + " — checked now, from verified artifacts")

@@ -76,6 +76,8 @@ def test_run_pipeline_end_to_end_then_everything_is_done(cli, tmp_path, tiny_mod
     line = summary_line(load_config(config))
     assert f"τ = {evaluated['acceptance_length']:.2f} on {evaluated['prompts']} held-out prompts" in line
     assert f"prompt lookup τ {evaluated['lookup_acceptance_length']:.2f}" in line
+    held = read_manifest(work / "train" / "drafter").stats["heldout"]
+    assert f"the training log predicted {held['serving_acceptance_length']:.2f} ({held['samples']} held-out" in line
 
     plan = cli("run", config, "--dry-run", "--from", "tokenize", check=True)
     assert "generate" not in plan.stdout and "dataset" in plan.stdout
