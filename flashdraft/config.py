@@ -136,7 +136,8 @@ class TrainConfig(Section):
     export_dtype: Literal["bfloat16", "float32"] = "bfloat16"  # the exported drafter's weights
     sliding_window: Positive | None = None  # all draft layers but the last attend this far back (≥ block_size)
     draft_vocab_size: Positive | None = None  # a reduced draft vocabulary (most frequent tokens) for cheap CPU runs
-    eval_samples: NonNegative = 16  # held-out samples (a seeded pick) for per-position accuracy and simulated τ
+    # held-out samples for per-position accuracy and τ: a seeded pick, samples without kin (prompt_opening) first
+    eval_samples: NonNegative = 16
     init_from_target: bool = False  # start draft layers from the target's last layers
     init_from: str | None = None  # start from an existing z-lab-format drafter (its shape and settings)
     mask_token_id: NonNegative | None = None  # None: an id the target never uses (a padded row, or unseen in the data)
