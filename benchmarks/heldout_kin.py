@@ -22,17 +22,17 @@ from levers_bench import score  # benchmarks/levers_bench.py, beside this script
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def openings(work: Path, dataset) -> np.ndarray:
-    if "prompt_opening" in dataset.column_names:
-        return np.asarray(dataset["prompt_opening"])
+def kin_free_by_messages(work: Path, dataset) -> np.ndarray:
+    """For a dataset made before tokenize wrote `prompt_opening`: the keys from the generate records' messages."""
     from flashdraft.records import opening_key
+    from flashdraft.train.data import kin_free
 
     messages = {}
     for batch in sorted((work / "generate").glob("batch-*.jsonl")):
         for line in batch.read_text().splitlines():
             record = json.loads(line)
             messages[record["id"]] = record["messages"]
-    return np.array([opening_key(messages[i]) for i in dataset["id"]])
+    return kin_free(np.array([opening_key(messages[i]) for i in dataset["id"]]))
 
 
 def main() -> None:
@@ -42,14 +42,15 @@ def main() -> None:
     sys.path.insert(0, str(ROOT))
     from flashdraft.artifact.manifest import read_manifest
     from flashdraft.demo import demo_config
-    from flashdraft.train.data import kin_free, run_split
+    from flashdraft.train.data import run_split
     from flashdraft.train.feature_cache import FeatureCache
 
     work, cfg = args.workdir, demo_config(args.workdir).train
     data = work / "dataset"
     dataset = load_from_disk(str(data))
-    _, heldout = run_split(dataset, cfg)  # the run's own pick
-    free = kin_free(openings(work, dataset))
+    _, heldout, free = run_split(dataset, cfg)  # the run's own pick
+    if free is None:
+        free = kin_free_by_messages(work, dataset)
     cache = FeatureCache(work / "train" / "features")
     groups = {"all": heldout, "with kin": [i for i in heldout if not free[i]],
               "without kin": [i for i in heldout if free[i]]}

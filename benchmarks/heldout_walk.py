@@ -28,7 +28,7 @@ def rescore(work: Path, lever: str) -> dict:
     out = lever_out(work, lever)
     cfg = TrainConfig(**yaml.safe_load((work / f"lever-{lever}.yaml").read_text())["train"])
     data = work / "demo" / "dataset"
-    _, heldout = run_split(load_from_disk(str(data)), cfg)  # the run's own pick
+    _, heldout, _ = run_split(load_from_disk(str(data)), cfg)  # the run's own pick
     cache = FeatureCache(out / "features") if (out / "features").exists() else None
     now = score(out / "drafter", data, cfg.target_dtype, cfg, heldout, cache)
     logged = [json.loads(line)["heldout"] for line in (out / "metrics.jsonl").read_text().splitlines()

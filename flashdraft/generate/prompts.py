@@ -19,6 +19,7 @@ from typing import Any
 
 from flashdraft.errors import BadInput
 from flashdraft.records import (
+    OPENING_WORDS,
     SHAREGPT_ROLES,
     BadRecord,
     check_tools,
@@ -199,7 +200,8 @@ def templated_like(train: list[Prompt], heldout: list[Prompt]) -> list[str]:
         mine_words = words(user_text(p))
         mine = grams(mine_words)
         for other_words, other_grams in seen:
-            shared_opening = len(mine_words) >= 3 and mine_words[:3] == other_words[:3]
+            n = OPENING_WORDS  # the opening that makes prompts kin (records.opening_key)
+            shared_opening = len(mine_words) >= n and mine_words[:n] == other_words[:n]
             if shared_opening or (mine and len(mine & other_grams) >= len(mine) / 3):
                 flagged.append(user_text(p))
                 break

@@ -70,10 +70,8 @@ from flashdraft.train.data import (
     check_token_ids,
     check_tokenizer,
     choose_draft_vocab,
-    kin_free,
     load_dataset_checked,
     pick_mask_token,
-    prompt_openings,
     run_split,
     token_counts,
 )
@@ -239,11 +237,10 @@ def setup(cfg: TrainConfig, data: Path, out: Path, target_path: str, where: Plac
     dataset = load_dataset_checked(data, block_size, target.config.vocab_size, cfg.max_length)
     counts = token_counts(data, dataset, where.world)
     check_token_ids(counts, target.config.vocab_size)
-    train_ids, heldout_ids = run_split(dataset, cfg)
-    if (openings := prompt_openings(dataset)) is not None and heldout_ids:
-        free = int(kin_free(openings)[heldout_ids].sum())
-        say(f"train: held out {len(heldout_ids)} samples, {free} of them without kin in training (no other "
-            "prompt opens with their first three words), as eval's held-out prompts are written")
+    train_ids, heldout_ids, free = run_split(dataset, cfg)
+    if free is not None and heldout_ids:
+        say(f"train: held out {len(heldout_ids)} samples, {int(free[heldout_ids].sum())} of them without kin in "
+            "training (no other prompt opens with their first three words), as eval's held-out prompts are written")
     torch.manual_seed(cfg.seed)
     if imported is not None:
         drafter = imported

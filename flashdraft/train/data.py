@@ -99,27 +99,27 @@ def pick_mask_token(cfg: TrainConfig, target_config, target_path: str, counts: T
     return int(unused[-1])
 
 
-def split_heldout(n: int, eval_samples: int, seed: int, openings: np.ndarray | None = None
+def split_heldout(n: int, eval_samples: int, seed: int, free: np.ndarray | None = None
                   ) -> tuple[list[int], list[int]]:
     """(training, held-out) sample indices. The held-out ones are a seeded random pick, not the tail: datasets
     often come sorted (by prompt category, by source), and a tail would measure one kind of text only.
 
-    With `openings` (tokenize's `prompt_opening` column) samples without kin come first: those whose prompt
-    opens with words no other sample's does. A held-out sample whose kin is trained on (the same question with
-    other numbers, another turn of its conversation) is easier than a prompt written apart, as eval's are: on
-    the demo the log's serving walk read 0.11 above eval over a random pick and 0.03 over kin-free samples
-    (measured, issue 31). Kin samples fill up only when too few have none."""
+    With `free` (which samples are kin-free, `kin_free`) those come first. A held-out sample whose kin is trained
+    on (the same question with other numbers, another turn of its conversation) is easier than a prompt written
+    apart, as eval's are: on the demo the log's serving walk read 0.11 above eval over a random pick and 0.04
+    over kin-free samples (measured, issue 31). Samples with kin fill up only when too few have none."""
     n_eval = min(eval_samples, max(0, n // 10))
     perm = torch.randperm(n, generator=torch.Generator().manual_seed(seed)).numpy()
-    if openings is not None:
-        perm = perm[np.argsort(~kin_free(openings)[perm], kind="stable")]  # kin-free first, each in seeded order
+    if free is not None:
+        perm = perm[np.argsort(~free[perm], kind="stable")]  # kin-free first, each in seeded order
     return sorted(perm[n_eval:].tolist()), sorted(perm[:n_eval].tolist())
 
 
-def run_split(dataset, cfg: TrainConfig) -> tuple[list[int], list[int]]:
-    """The (training, held-out) split a run with `cfg` makes of `dataset`: for train, and for tools that re-score
-    its held-out samples."""
-    return split_heldout(len(dataset), cfg.eval_samples, cfg.seed, prompt_openings(dataset))
+def run_split(dataset, cfg: TrainConfig) -> tuple[list[int], list[int], np.ndarray | None]:
+    """The (training, held-out) split a run with `cfg` makes of `dataset`, and which samples are kin-free (None
+    for a dataset without `prompt_opening`): for train, and for tools that re-score its held-out samples."""
+    free = kin_free_samples(dataset)
+    return (*split_heldout(len(dataset), cfg.eval_samples, cfg.seed, free), free)
 
 
 def kin_free(openings: np.ndarray) -> np.ndarray:
@@ -128,12 +128,12 @@ def kin_free(openings: np.ndarray) -> np.ndarray:
     return counts[inverse] == 1
 
 
-def prompt_openings(dataset) -> np.ndarray | None:
-    """The dataset's `prompt_opening` column (8 bytes a row, not its tokens), or None for a dataset made before
-    it existed or by another tool: then the held-out pick is plain random."""
+def kin_free_samples(dataset) -> np.ndarray | None:
+    """`kin_free` of the dataset's `prompt_opening` column (8 bytes a row, not its tokens), or None for a dataset
+    made before it existed or by another tool: then the held-out pick is plain random."""
     if "prompt_opening" not in dataset.column_names:
         return None
-    return dataset.data.column("prompt_opening").to_numpy()
+    return kin_free(dataset.data.column("prompt_opening").to_numpy())
 
 
 def choose_draft_vocab(counts: TokenCounts, size: int, vocab_size: int) -> torch.Tensor:

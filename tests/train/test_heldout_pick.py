@@ -10,7 +10,7 @@ from flashdraft import train
 from flashdraft.config import TokenizeConfig, TrainConfig
 from flashdraft.records import opening_key
 from flashdraft.tokenize import run
-from flashdraft.train.data import kin_free, prompt_openings, split_heldout
+from flashdraft.train.data import kin_free, kin_free_samples, split_heldout
 from tests.tokenize.test_tokenize import conv, write_jsonl
 
 
@@ -37,13 +37,13 @@ def test_without_openings_the_pick_is_the_seeded_random_one_it_always_was():
 
 def test_samples_without_kin_are_held_out_first_and_kin_fill_up_only_when_too_few():
     openings = np.array([7] * 30 + list(range(100, 120)) + [8] * 50)  # 20 kin-free among 100
-    train, held = split_heldout(100, 10, seed=0, openings=openings)
+    train, held = split_heldout(100, 10, seed=0, free=kin_free(openings))
     assert len(held) == 10 and set(held) <= set(range(30, 50))
     assert sorted(train + held) == list(range(100))
     # another seed picks other kin-free samples: still random among them
-    assert split_heldout(100, 10, seed=1, openings=openings)[1] != held
+    assert split_heldout(100, 10, seed=1, free=kin_free(openings))[1] != held
     # asking for more than there are: all 20 kin-free ones, then kin
-    _, many = split_heldout(400, 40, seed=0, openings=np.concatenate([openings, np.full(300, 9)]))
+    _, many = split_heldout(400, 40, seed=0, free=kin_free(np.concatenate([openings, np.full(300, 9)])))
     assert set(range(30, 50)) <= set(many) and len(many) == 40
     assert kin_free(np.array([1, 2, 1, 3])).tolist() == [False, True, False, True]
 
@@ -61,7 +61,7 @@ def test_tokenize_keys_every_sample_and_train_holds_out_the_kin_free(tmp_path, s
     keys = {row["id"]: row["prompt_opening"] for row in dataset}
     assert len(keys) == 32 and len(set(keys.values())) == 9  # one key for the template, one each for the others
     assert dataset[0]["prompt_opening"] == opening_key(templated[0]["messages"])
-    _, held = split_heldout(len(dataset), 3, seed=0, openings=prompt_openings(dataset))
+    _, held = split_heldout(len(dataset), 3, seed=0, free=kin_free_samples(dataset))
     apart_keys = {opening_key(c["messages"]) for c in apart}
     assert len(held) == 3 and all(dataset[i]["prompt_opening"] in apart_keys for i in held)
     # a random pick from this data mostly lands on the template (3/4 of it): the test can fail

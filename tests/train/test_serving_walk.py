@@ -90,7 +90,7 @@ def test_training_reports_the_walk_beside_the_per_anchor_value(greedy_run, tiny_
 
     work, prompts, cfg, held = greedy_run
     dataset = load_from_disk(str(work / "ds"))
-    _, heldout = run_split(dataset, cfg)  # the run's own pick
+    _, heldout, _ = run_split(dataset, cfg)  # the run's own pick
     ids = {dataset[i]["id"] for i in heldout}
     lines, parsed = prompts.read_text().splitlines(), load_prompts(str(prompts)).prompts
     assert len(lines) == len(parsed)
