@@ -33,6 +33,10 @@ def test_without_openings_the_pick_is_the_seeded_random_one_it_always_was():
     train, held = split_heldout(50, 5, seed=3)
     perm = torch.randperm(50, generator=torch.Generator().manual_seed(3)).tolist()
     assert held == sorted(perm[:5]) and train == sorted(perm[5:])
+    # a dataset without the column (an older one, another tool's) has no kin-free mask: that plain pick
+    from datasets import Dataset
+
+    assert kin_free_samples(Dataset.from_dict({"input_ids": [[1, 2]], "loss_mask": [[0, 1]]})) is None
 
 
 def test_samples_without_kin_are_held_out_first_and_kin_fill_up_only_when_too_few():
