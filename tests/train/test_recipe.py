@@ -110,7 +110,7 @@ def test_muon_takes_the_matrices_and_adamw_the_rest(tiny_target):
 
 
 def test_adamw_is_fused_and_updates_as_torchs_loop_does(tiny_target):
-    """One fused kernel over every parameter (3.3x faster on CPU, measured), the same update as torch's
+    """One fused kernel over every parameter (3x faster on CPU, measured), the same update as torch's
     per-parameter loop to float32 rounding, step by step under the same schedule."""
     from transformers import get_cosine_schedule_with_warmup
 
