@@ -56,8 +56,10 @@ def main() -> None:
     os.symlink(args.workdir / "train" / "features", scratch / "features")  # the workdir's cache, verified by setup
     s = setup(cfg, args.workdir / "dataset", scratch, resolve_model(cfg.target, log=quiet), place(cfg), None, quiet)
 
-    def unfused(drafter) -> Optimizers:  # torch's per-parameter AdamW loop, same settings and schedule
-        loop = torch.optim.AdamW(drafter.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
+    def unfused(drafter) -> Optimizers:  # torch's per-parameter AdamW loop, train's settings and schedule
+        (fused,) = build_optimizers(cfg, drafter, s.total_steps).all
+        settings = {key: fused.defaults[key] for key in ("lr", "betas", "eps", "weight_decay")}
+        loop = torch.optim.AdamW(drafter.parameters(), **settings)
         warmup = math.ceil(cfg.warmup_ratio * s.total_steps)
         return Optimizers([loop], [get_cosine_schedule_with_warmup(loop, warmup, s.total_steps)])
 

@@ -54,8 +54,8 @@ class Optimizers:
 def adamw(params: list[torch.nn.Parameter], cfg: TrainConfig) -> torch.optim.AdamW:
     """AdamW, fused: one kernel over all parameters instead of a dozen elementwise passes per parameter, which on
     a CPU takes the demo's 15.8M parameters from 24 to 8 ms a step (benchmarks/RESULTS.md, "the demo's training
-    step"); the weights it gives differ from the unfused loop's in the last bit. FSDP's
-    sharded parameters (DTensors) keep torch's default."""
+    step"); its weights differ from the unfused loop's in the last bit. FSDP's sharded parameters (DTensors) keep
+    torch's default."""
     return torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95),
                              fused=None if sharded(params) else True)
 
