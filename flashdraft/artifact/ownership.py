@@ -9,7 +9,7 @@
 - **Deleted**: only files the output's own manifest names, each checked with the manifest path rules and
   resolved inside the output (`remove_inside`); never a path a manifest entry points elsewhere.
 - **Locked**: an advisory `flock` on a sibling lock file for as long as the stage runs. A second run on the same
-  output exits at once naming the holder (host, pid, command); a dead holder's lock is released by the kernel, so
+  output exits at once naming the holder (program, host, pid); a dead holder's lock is released by the kernel, so
   a stale lock file is simply taken over. Locks are per process and re-entrant (a stage that holds its output may
   commit it through `commit_dir`, which takes the same lock).
 
@@ -20,11 +20,12 @@ across hosts on NFSv4 (Linux maps it to POSIX locks there).
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import json
 import os
-import shlex
 import socket
+import stat
 import sys
 import threading
 import time
@@ -171,17 +172,24 @@ _held_guard = threading.Lock()
 
 
 def lock_path(out: Path) -> Path:
-    """The lock file: a sibling of the output, so it survives the output being replaced by a rename."""
-    out = Path(os.path.abspath(out))
+    """The lock file: a sibling of the output, so it survives the output being replaced by a rename. Keyed by the
+    output's real path, so `--out link` and `--out target` are one output with one lock."""
+    out = Path(os.path.realpath(out))
     return out.with_name(f"{INTERNAL_PREFIX}lock-{out.name}")
 
 
 def holder() -> dict[str, Any]:
-    """Who holds a lock, as the refusal names it: host, pid, and the command as it was typed."""
+    """Who holds a lock, as the refusal names it: the program (and flashdraft's sub-command), host and pid. Never
+    the command line: it may carry a password (`--base-url https://user:pw@…`), and the lock file outlives no
+    run but is readable while it runs."""
     program = Path(sys.argv[0])
     ours = program.name == "flashdraft" or program.parent.name == "flashdraft"  # the script, or -m / torchrun -m
-    command = shlex.join(["flashdraft", *sys.argv[1:]] if ours else sys.argv)
-    return {"host": socket.gethostname(), "pid": os.getpid(), "command": command,
+    sub = next((a for a in sys.argv[1:] if not a.startswith("-")), "") if ours else ""
+    if ours:
+        name = f"flashdraft {sub}" if sub.isidentifier() else "flashdraft"
+    else:  # a script, or `python -c` (argv[0] is "-c")
+        name = program.name if program.name not in ("", "-c") else Path(sys.executable).name
+    return {"program": name, "host": socket.gethostname(), "pid": os.getpid(),
             "since": datetime.now(UTC).isoformat(timespec="seconds")}
 
 
@@ -191,12 +199,44 @@ def _describe_holder(path: Path, wait_s: float = 2.0) -> str:
     deadline = time.monotonic() + wait_s
     while True:
         try:
-            info = json.loads(path.read_text())
-            return f"`{info['command']}` (pid {info['pid']} on {info['host']}, since {info['since']})"
+            info = read_holder(path)
+            return f"{info['program']} (pid {info['pid']} on {info['host']}, since {info['since']})"
         except (OSError, ValueError, KeyError, TypeError):
             if time.monotonic() >= deadline:
                 return "another process (it has not said which yet)"
             time.sleep(0.02)
+
+
+def read_holder(path: Path) -> dict[str, Any]:
+    """The lock file's holder record, read without following a link at its name."""
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+    with os.fdopen(fd) as f:
+        return json.loads(f.read())
+
+
+def _open_lock_file(path: Path) -> int:
+    """Open (creating it exclusively, 0600, when absent) the lock file at `path` without following a link there:
+    a link or a hard-linked file planted at the lock path would make the holder record overwrite someone else's
+    file. A stale lock file of ours (a killed run's) is a plain file with one link, and is reused."""
+    while True:
+        try:
+            return os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+        except FileExistsError:
+            pass
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW)
+        except FileNotFoundError:  # removed by its holder between the two opens: create it again
+            continue
+        except OSError as e:  # ELOOP: a symbolic link sits at the lock path; EISDIR: a directory does
+            what = "a link" if e.errno == errno.ELOOP else e.strerror
+            raise OutputLocked(f"{path} is {what}, not a flashdraft lock file; nothing was changed: remove it, "
+                               "or use another --out") from None
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode) or info.st_nlink != 1:
+            os.close(fd)
+            raise OutputLocked(f"{path} is not a flashdraft lock file (a special file, or a file with another "
+                               "name linked to it); nothing was changed: remove it, or use another --out")
+        return fd
 
 
 @contextmanager
@@ -215,7 +255,7 @@ def output_lock(out: str | Path, wait: bool = False) -> Iterator[None]:
     if not reentered:
         path.parent.mkdir(parents=True, exist_ok=True)
         while True:
-            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+            fd = _open_lock_file(path)
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX if wait else fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
@@ -224,13 +264,13 @@ def output_lock(out: str | Path, wait: bool = False) -> Iterator[None]:
                                    "another --out") from None
             # The file may have been removed (and recreated) by the holder we waited behind: lock the one on disk.
             try:
-                same = os.stat(path).st_ino == os.fstat(fd).st_ino
+                same = os.stat(path, follow_symlinks=False).st_ino == os.fstat(fd).st_ino
             except FileNotFoundError:
                 same = False
             if same:
                 break
             os.close(fd)
-        os.ftruncate(fd, 0)
+        os.ftruncate(fd, 0)  # a killed holder's record goes: the lock file names only the live holder
         os.write(fd, json.dumps(holder()).encode())
         with _held_guard:
             _held[key] = (fd, 1)

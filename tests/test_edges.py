@@ -1,0 +1,86 @@
+"""Trust at the edges (issue 45): each way a careless user, a second machine or a hostile neighbour broke an
+output, a lock or a store prefix, reproduced with real CLI processes, real files and SeaweedFS. Each asserts that
+nothing outside the destination changed, that nothing which said "verified" fails to verify afterwards, and that
+every expected failure is one line."""
+
+import json
+import os
+import stat
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from flashdraft.artifact.manifest import build_manifest, write_manifest
+from flashdraft.artifact.ownership import lock_path
+from tests.artifact.test_ownership import tree_digest
+from tests.test_trust import one_line_error
+
+FLASHDRAFT = [sys.executable, "-m", "flashdraft"]
+
+
+def small_artifact(path: Path, kind: str = "dataset", files: int = 2) -> Path:
+    path.mkdir(parents=True)
+    for i in range(files):
+        (path / f"part-{i}.bin").write_bytes(os.urandom(3000))
+    write_manifest(path, build_manifest(path, kind=kind))
+    return path
+
+
+# ---------------------------------------------------------------------------------------------- locks
+
+
+def test_a_link_at_the_lock_path_never_writes_outside_out(cli, tmp_path):
+    """`ln -s ~/victim DIR/.flashdraft-lock-NAME` once made the holder record overwrite the victim."""
+    src = small_artifact(tmp_path / "src")
+    victim = tmp_path / "home" / "victim.txt"
+    victim.parent.mkdir()
+    victim.write_text("two years of notes\n")
+    dst = tmp_path / "dir" / "dst"
+    dst.parent.mkdir()
+    lock_path(dst).symlink_to(victim)
+    line = one_line_error(cli("sync", "pull", str(src), str(dst)))
+    assert "is a link, not a flashdraft lock file" in line
+    assert victim.read_text() == "two years of notes\n" and not dst.exists()
+
+    lock_path(dst).unlink()
+    os.link(victim, lock_path(dst))  # a hard link: no symlink to refuse, but still someone else's file
+    line = one_line_error(cli("sync", "pull", str(src), str(dst)))
+    assert "not a flashdraft lock file" in line
+    assert victim.read_text() == "two years of notes\n" and not dst.exists()
+    lock_path(dst).unlink()
+    cli("sync", "pull", str(src), str(dst), check=True)
+    assert not lock_path(dst).exists()
+
+
+HOLD = """
+import sys, time
+from flashdraft.artifact.ownership import output_lock
+with output_lock(sys.argv[1]):
+    print("held", flush=True)
+    time.sleep(120)
+"""
+
+
+def test_a_link_to_out_shares_its_lock_and_the_lock_file_keeps_no_command_line(tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    link = tmp_path / "outlink"
+    link.symlink_to(out)
+    assert lock_path(link) == lock_path(out)
+    holder = subprocess.Popen([sys.executable, "-c", HOLD, str(out), "--base-url", "https://u:hunter2@h/v1"],
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        record = lock_path(out).read_text()
+        assert "hunter2" not in record and "--base-url" not in record
+        assert json.loads(record)["pid"] == holder.pid
+        assert stat.S_IMODE(lock_path(out).stat().st_mode) == 0o600
+        src = small_artifact(tmp_path / "src")
+        started = time.monotonic()
+        proc = subprocess.run([*FLASHDRAFT, "sync", "pull", str(src), str(link)], capture_output=True, text=True)
+        assert f"pid {holder.pid}" in one_line_error(proc) and time.monotonic() - started < 30
+    finally:
+        holder.kill()
+        holder.wait()
+    assert tree_digest(out) == {}
