@@ -84,3 +84,30 @@ def test_a_link_to_out_shares_its_lock_and_the_lock_file_keeps_no_command_line(t
         holder.kill()
         holder.wait()
     assert tree_digest(out) == {}
+
+
+# ---------------------------------------------------------------------------------------------- --out inside an input
+
+
+def test_an_out_inside_an_input_is_refused_and_the_input_still_verifies(cli, tmp_path, tiny_target, tiny_dataset,
+                                                                        smollm2_dir):
+    from tests.test_trust import conversations, tokenize_args, train_config
+
+    gen = tmp_path / "gen"
+    gen.mkdir()
+    (gen / "batch-000000.jsonl").write_text(conversations(tmp_path / "c.jsonl").read_text())
+    write_manifest(gen, build_manifest(gen, kind="completions"))
+    before = tree_digest(gen)
+    line = one_line_error(cli(*tokenize_args(gen, gen / "ds", smollm2_dir)))
+    assert f"is inside the input {gen}" in line and tree_digest(gen) == before
+    assert cli("verify", str(gen)).returncode == 0
+
+    # through a link to the input: compared by real path
+    link = tmp_path / "dslink"
+    link.symlink_to(tiny_dataset)
+    before = tree_digest(Path(tiny_dataset))
+    cfg = train_config(tmp_path / "t.yaml", tiny_target, max_steps=2)
+    line = one_line_error(cli("train", "--config", str(cfg), "--data", str(tiny_dataset), "--out",
+                              str(link / "trainout")))
+    assert "is inside the input" in line and tree_digest(Path(tiny_dataset)) == before
+    assert cli("verify", str(tiny_dataset)).returncode == 0

@@ -29,7 +29,7 @@ import stat
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from datetime import UTC, datetime
 from pathlib import Path
@@ -97,6 +97,21 @@ def claim_output(out: str | Path, kind: str, *, mark: bool = False, strays_ok: b
                                  "move them away, or use another --out")
     if mark:
         mark_output(out, kind, **marker)
+
+
+def refuse_overlap(out: str | Path, inputs: Iterable[str | Path | None]) -> None:
+    """Refuse an `out` that lies inside one of the stage's input directories (or holds one): building there would
+    add files its manifest does not list, and the input would stop verifying. Compared by real path, so a link
+    does not hide it."""
+    real_out = Path(os.path.realpath(out))
+    for given in inputs:
+        if given is None or not Path(given).is_dir():
+            continue
+        real_in = Path(os.path.realpath(given))
+        if real_out.is_relative_to(real_in) or real_in.is_relative_to(real_out):
+            where = "is" if real_out == real_in else ("is inside" if real_out.is_relative_to(real_in) else "holds")
+            raise OutputNotOwned(f"--out {out} {where} the input {given}; writing there would change the input "
+                                 "(it would no longer verify): nothing was changed, use an --out outside it")
 
 
 def mark_output(out: Path, kind: str, **marker: Any) -> None:
@@ -288,8 +303,11 @@ def output_lock(out: str | Path, wait: bool = False) -> Iterator[None]:
 
 
 @contextmanager
-def hold_output(out: str | Path, kind: str, **claim: Any) -> Iterator[None]:
-    """A stage's whole run over its output: locked, and refused unless it is this stage's to (re)build."""
+def hold_output(out: str | Path, kind: str, *, inputs: Iterable[str | Path | None] = (),
+                **claim: Any) -> Iterator[None]:
+    """A stage's whole run over its output: locked, and refused unless it is this stage's to (re)build and lies
+    outside every input directory."""
+    refuse_overlap(out, inputs)
     with output_lock(out):
         claim_output(out, kind, **claim)
         yield

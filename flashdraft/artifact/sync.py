@@ -40,7 +40,7 @@ from flashdraft.artifact.manifest import (
     verify_dir,
     write_manifest,
 )
-from flashdraft.artifact.ownership import OWNER, claim_output, output_lock, read_marker
+from flashdraft.artifact.ownership import OWNER, claim_output, output_lock, read_marker, refuse_overlap
 from flashdraft.artifact.store import DEFAULT_PART_SIZE, MIN_PART_SIZE, SINGLE_PUT_LIMIT, Listed, Remote, StoreError
 from flashdraft.errors import ExpectedFailure
 
@@ -440,6 +440,7 @@ def pull(
     dst = Path(dst)
     manifest, raw = remote_manifest(store)
     refuse_unsafe_paths(manifest, dst)
+    refuse_overlap(dst, [getattr(store, "root", None)])
     with output_lock(dst):
         # dst must be empty, missing or this kind's (its own files only, unless --delete); marked while files
         # change, with the files its old manifest named (ours to replace), so a killed pull resumes.

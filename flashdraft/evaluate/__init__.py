@@ -68,7 +68,8 @@ def run(
     lineage = Lineage(
         inputs=[identity(drafter_dir)], config=sha256_json({"eval": cfg.model_dump(), "target": target_path})
     )
-    with hold_output(out, "eval"):  # locked for the run; refused unless it is an eval report (or empty)
+    # Locked for the run; refused unless it is an eval report (or empty) outside the drafter and the target.
+    with hold_output(out, "eval", inputs=[drafter_dir, target_path]):
         decision = check_done(out, lineage)
         log(decision.line("eval", out))
         if decision.done:

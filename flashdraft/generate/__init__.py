@@ -38,7 +38,15 @@ from flashdraft.artifact.manifest import (
     sha256_json,
     verify_dir,
 )
-from flashdraft.artifact.ownership import OWNER, adopt, mark_output, output_lock, read_marker, remove_inside
+from flashdraft.artifact.ownership import (
+    OWNER,
+    adopt,
+    mark_output,
+    output_lock,
+    read_marker,
+    refuse_overlap,
+    remove_inside,
+)
 from flashdraft.artifact.ownership import claim_output as claim_output_of_kind
 from flashdraft.config import GenerateConfig
 from flashdraft.errors import BadInput, ExpectedFailure
@@ -163,6 +171,7 @@ def run(
 ) -> dict[str, Any]:
     """Generate into `out`; returns the manifest's stats. Skips entirely when `out` is done and verifies."""
     out = Path(out)
+    refuse_overlap(out, [cfg.prompts])
     with output_lock(out):  # one writer per output for the whole run
         return _run_locked(cfg, out, upload_to, console, log)
 

@@ -90,7 +90,8 @@ def run(
         inputs=[content_digest(s) for s in sources],
         config=sha256_json({"tokenize": cfg.model_dump(exclude={"workers"}), "tokenizer": identity(tokenizer_path)}),
     )
-    with hold_output(out, "dataset"):  # locked for the whole run; refused unless it is a dataset (or empty)
+    # Locked for the whole run; refused unless it is a dataset (or empty) outside every input.
+    with hold_output(out, "dataset", inputs=sources):
         decision = check_done(out, lineage)
         log(decision.line("tokenize", out))
         if decision.done:

@@ -44,7 +44,7 @@ from flashdraft.artifact.manifest import (
     require_verified,
     sha256_json,
 )
-from flashdraft.artifact.ownership import adopt, claim_output, output_lock
+from flashdraft.artifact.ownership import adopt, claim_output, output_lock, refuse_overlap
 from flashdraft.config import TrainConfig
 from flashdraft.layout import CHECKPOINTS, DRAFTER
 from flashdraft.model.dflash2 import SETTINGS as DFLASH2_SETTINGS
@@ -99,6 +99,7 @@ def run(
     out = Path(out)
     if int(os.environ.get("RANK", "0")) != 0:
         return _run(cfg, Path(data), out, require_checkpoint, console, log)
+    refuse_overlap(out, [data, cfg.init_from, cfg.target if Path(cfg.target).is_dir() else None])
     with output_lock(out):
         made = any((out / name).is_dir() for name in (CHECKPOINTS, DRAFTER, "features"))  # train's own layout
         adopt(out, "train", made_before_markers=made)
