@@ -111,3 +111,56 @@ def test_an_out_inside_an_input_is_refused_and_the_input_still_verifies(cli, tmp
                               str(link / "trainout")))
     assert "is inside the input" in line and tree_digest(Path(tiny_dataset)) == before
     assert cli("verify", str(tiny_dataset)).returncode == 0
+
+
+# ---------------------------------------------------------------------------------------------- numbers
+
+
+def test_a_diverging_run_stops_with_one_line_exports_nothing_and_keeps_its_finite_checkpoint(cli, tmp_path,
+                                                                                               tiny_target,
+                                                                                               tiny_dataset):
+    from safetensors.torch import load_file
+
+    from tests.test_trust import train_config
+
+    out = tmp_path / "out"
+    cfg = train_config(tmp_path / "t.yaml", tiny_target, max_steps=6, lr=1e300, checkpoint_every=1)
+    line = one_line_error(cli("train", "--config", str(cfg), "--data", str(tiny_dataset), "--out", str(out)))
+    assert "training diverged at step" in line and "lr 1e+300" in line and "nothing was exported" in line
+    assert not (out / "drafter").exists()
+    metrics = [json.loads(raw) for raw in (out / "metrics.jsonl").read_text().splitlines()]  # strict JSON: no NaN
+    assert all(isinstance(m.get("loss", 0.0), float) for m in metrics)
+    kept = sorted((out / "checkpoints").glob("step-*"))
+    assert kept and "the newest finite checkpoint is step-" in line
+    for ckpt in kept:  # every checkpoint kept is finite
+        import torch
+
+        weights = load_file(str(ckpt / "drafter.safetensors"))
+        assert all(bool(torch.isfinite(w).all()) for w in weights.values()), ckpt
+
+
+def test_init_from_a_drafter_that_does_not_verify_or_is_not_finite_is_refused(cli, tmp_path, tiny_target,
+                                                                              tiny_dataset):
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    from tests.test_trust import train_config
+
+    cfg = train_config(tmp_path / "t.yaml", tiny_target, max_steps=2)
+    cli("train", "--config", str(cfg), "--data", str(tiny_dataset), "--out", str(tmp_path / "a"), check=True)
+    drafter = tmp_path / "a" / "drafter"
+    weights = drafter / "model.safetensors"
+    raw = bytearray(weights.read_bytes())
+    raw[-3] ^= 0xFF  # one flipped byte: its own verify fails
+    weights.write_bytes(bytes(raw))
+    line = one_line_error(cli("train", "--config", str(cfg), "--data", str(tiny_dataset), "--out",
+                              str(tmp_path / "b"), "--init-from", str(drafter)))
+    assert "--init-from drafter" in line and "does not verify" in line
+    assert not (tmp_path / "b" / "drafter").exists()
+
+    state = load_file(str(weights))  # a drafter from elsewhere (no manifest) whose weights are NaN
+    (drafter / "manifest.json").unlink()
+    save_file({k: torch.full_like(v, float("nan")) for k, v in state.items()}, str(weights))
+    line = one_line_error(cli("train", "--config", str(cfg), "--data", str(tiny_dataset), "--out",
+                              str(tmp_path / "c"), "--init-from", str(drafter)))
+    assert "not finite" in line

@@ -114,4 +114,18 @@ def load_drafter(path: str | Path, device: str | torch.device = "cpu", dtype=tor
         drafter.load_state_dict(state)
     except (OSError, SafetensorError, RuntimeError) as e:  # missing, truncated, or of another shape
         raise BadInput(f"{path}/model.safetensors cannot be loaded as this drafter: {e}") from None
+    if bad := nonfinite_weights(drafter):
+        raise BadInput(f"{path}/model.safetensors holds weights that are not finite (NaN or inf) in {bad[0]}"
+                       + (f" and {len(bad) - 1} more tensors" if len(bad) > 1 else "")
+                       + ": a diverged run's; it cannot draft")
     return drafter.to(device=device, dtype=dtype)
+
+
+def nonfinite_weights(module: torch.nn.Module) -> list[str]:
+    """Names of the parameters holding a NaN or an infinity (a sharded parameter: this process's shard)."""
+    bad = []
+    for name, p in module.named_parameters():
+        local = p.to_local() if hasattr(p, "to_local") else p
+        if not bool(torch.isfinite(local.detach()).all()):
+            bad.append(name)
+    return bad

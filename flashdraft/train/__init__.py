@@ -46,17 +46,19 @@ from flashdraft.artifact.manifest import (
 )
 from flashdraft.artifact.ownership import adopt, claim_output, output_lock, refuse_overlap
 from flashdraft.config import TrainConfig
+from flashdraft.errors import ExpectedFailure
 from flashdraft.layout import CHECKPOINTS, DRAFTER
 from flashdraft.model.dflash2 import SETTINGS as DFLASH2_SETTINGS
 from flashdraft.model.dflash2 import DFlash2Drafter, dflash2_config, is_dflash2
 from flashdraft.model.drafter import DFlashDrafter, draft_config
-from flashdraft.model.export import save_drafter
+from flashdraft.model.export import nonfinite_weights, save_drafter
 from flashdraft.model.objective import expected_acceptance_length
 from flashdraft.model.target import Target, attention_layers
 from flashdraft.progress import progress
 from flashdraft.tokenize.token_counts import count_rows
 from flashdraft.train.checkpoint import (
     CheckpointShipper,
+    checkpoint_dirs,
     full_state,
     latest_checkpoint,
     load_checkpoint,
@@ -172,8 +174,10 @@ def _run(cfg: TrainConfig, data: Path, out: Path, require_checkpoint: bool, cons
     shipper = CheckpointShipper(out, cfg, say, lineage)
     sinks = MetricSinks(out, where.rank == 0, cfg.model_dump())
     position, last = loop(cfg, s, position, sinks, shipper, lineage, out, console)
-    held = evaluate_heldout(s.model, s.target, s.dataset, s.heldout_ids, cfg, where.device, s.cache)
     sinks.close()
+    if not all_finite(s.drafter, where.world):  # the last steps' update, if no checkpoint followed it
+        raise Diverged(divergence(cfg, position["step"], "its update left weights that are not finite", out))
+    held = evaluate_heldout(s.model, s.target, s.dataset, s.heldout_ids, cfg, where.device, s.cache)
     final = whole_drafter(s)  # every rank: under FSDP the weights are gathered from the shards
     if where.rank != 0:
         shipper.wait()
@@ -287,7 +291,11 @@ def import_drafter(cfg: TrainConfig, target_config, say) -> DFlashDrafter:
     from flashdraft.model.export import load_drafter
 
     path = cfg.init_from
-    drafter = load_drafter(path)
+    if (Path(path) / MANIFEST).is_file():  # a drafter flashdraft exported: its bytes are checked before use
+        require_verified(path, "--init-from drafter", "re-export it (rerun `flashdraft train`) or pull it again")
+    else:
+        say(f"train: {path} has no manifest (a drafter from elsewhere): its files are not verified")
+    drafter = load_drafter(path)  # refuses weights that are not finite
     c = drafter.config
     mismatches = [f"{what} {mine} vs the target's {theirs}" for what, mine, theirs in (
         ("hidden size", c.hidden_size, target_config.hidden_size),
@@ -346,7 +354,10 @@ def loop(cfg: TrainConfig, s: Setup, position: dict, sinks: MetricSinks, shipper
                     upcoming = mine[(b + 1) * cfg.batch_size : (b + 2) * cfg.batch_size]
                     pending = (epoch, b + 1, prefetcher.submit(prepare, cfg, s, upcoming, epoch))
                 results, loss = accumulate(cfg, s, plans)
-                torch.nn.utils.clip_grad_norm_(s.drafter.parameters(), cfg.grad_clip)
+                grad_norm = torch.nn.utils.clip_grad_norm_(s.drafter.parameters(), cfg.grad_clip)
+                if not (math.isfinite(loss) and math.isfinite(float(grad_norm))):  # the same on every rank
+                    raise Diverged(divergence(cfg, step + 1, f"its loss is {loss}" if not math.isfinite(loss)
+                                              else f"its gradient norm is {float(grad_norm)}", out))
                 s.optimizers.step()  # and their schedules
                 s.optimizers.zero_grad()
                 step += 1
@@ -364,6 +375,8 @@ def loop(cfg: TrainConfig, s: Setup, position: dict, sinks: MetricSinks, shipper
                         pending[2].result()  # the target is free again before held-out evaluation uses it
                     held = evaluate_heldout(s.model, s.target, s.dataset, s.heldout_ids, cfg, device, s.cache)
                     sinks.log({"step": step, "heldout": held})
+                    if not all_finite(s.drafter, world):  # never a checkpoint to resume into NaN from
+                        raise Diverged(divergence(cfg, step, "its update left weights that are not finite", out))
                     state = full_state(s.model, s.optimizers)  # every rank: FSDP gathers its shards
                     if rank == 0:
                         saved = save_checkpoint(out, step, state, s.optimizers, position, lineage)
@@ -374,6 +387,29 @@ def loop(cfg: TrainConfig, s: Setup, position: dict, sinks: MetricSinks, shipper
     if prefetcher is not None:
         prefetcher.shutdown(wait=True)
     return position, last
+
+
+class Diverged(ExpectedFailure):
+    """The loss, a gradient or the weights stopped being finite: the run stops there and exports nothing."""
+
+
+def divergence(cfg: TrainConfig, step: int, what: str, out: Path) -> str:
+    """The one line a diverged run ends with: which step, which settings drive the update's size, what is kept."""
+    newest = next(iter(checkpoint_dirs(out)), None)
+    rates = f"lr {cfg.lr:g}" + (f", muon_lr {cfg.muon_lr:g}" if cfg.optimizer == "muon" else "")
+    return (f"training diverged at step {step}: {what} ({rates}, grad_clip {cfg.grad_clip:g}); stopped — nothing "
+            f"was exported" + (f", the newest finite checkpoint is {newest.name}" if newest else "")
+            + ": lower the learning rate and rerun")
+
+
+def all_finite(drafter: torch.nn.Module, world: int) -> bool:
+    """Whether every rank's weights (its shards, under FSDP) are finite: one answer, the same on every rank."""
+    finite = torch.tensor([0.0 if nonfinite_weights(drafter) else 1.0])
+    if world > 1:
+        import torch.distributed as dist
+
+        dist.all_reduce(finite, op=dist.ReduceOp.MIN)
+    return bool(finite.item())
 
 
 # A micro-batch pads its sequences to the longest: on a compute-bound device (CPU) the padding costs more
