@@ -164,3 +164,48 @@ def test_init_from_a_drafter_that_does_not_verify_or_is_not_finite_is_refused(cl
     line = one_line_error(cli("train", "--config", str(cfg), "--data", str(tiny_dataset), "--out",
                               str(tmp_path / "c"), "--init-from", str(drafter)))
     assert "not finite" in line
+
+
+# ---------------------------------------------------------------------------------------------- one path rule
+
+
+def test_one_path_rule_for_manifest_push_pull_and_verify(cli, tmp_path, s3env):
+    """What `manifest` accepts, `push`, `verify` and `pull` accept; what one refuses, every other refuses."""
+    import uuid
+
+    from flashdraft.artifact.manifest import MANIFEST, FileEntry, Manifest
+
+    url = f"s3://flashdraft/t-{uuid.uuid4().hex[:10]}"
+    fine = tmp_path / "fine"
+    (fine / "sub dir").mkdir(parents=True)
+    (fine / "sub dir" / "é x.txt").write_text("ok")
+    for step in (("manifest", str(fine)), ("sync", "push", str(fine), f"{url}/fine"), ("verify", f"{url}/fine"),
+                 ("sync", "pull", f"{url}/fine", str(tmp_path / "back")), ("verify", str(tmp_path / "back"))):
+        cli(*step, check=True)
+
+    for i, name in enumerate(["a:b.txt", "a\nb.txt", "c\\d.txt"]):
+        bad = tmp_path / f"bad-{i}"
+        bad.mkdir()
+        (bad / name).write_text("x")
+        for step in (("manifest", str(bad)), ("sync", "push", str(bad), f"{url}/bad-{i}")):
+            proc = cli(*step)
+            line = one_line_error(proc)
+            assert "a character other systems read" in line and "\nb.txt" not in proc.stderr
+        assert not (bad / MANIFEST).exists()
+    listed = {o["Key"] for o in s3env.client().list_objects_v2(
+        Bucket="flashdraft", Prefix=url[len("s3://flashdraft/"):] + "/")["Contents"]}
+    assert listed and all("/fine/" in key for key in listed)  # nothing of a refused push was written
+
+    # A crafted manifest naming one file twice (`a//b.txt` and `a/b.txt`) or through `./`: refused everywhere.
+    for i, paths in enumerate([["a//b.txt", "a/b.txt"], ["./x.txt"]]):
+        crafted = tmp_path / f"crafted-{i}"
+        for rel in paths:
+            (crafted / rel).parent.mkdir(parents=True, exist_ok=True)
+            (crafted / rel).write_text("same")
+        manifest = Manifest(kind="files", created="2026-12-04T00:00:00+00:00", files=[
+            FileEntry(path=rel, size=4, sha256="0a2ec1e5cd9f1f0d6c5e9f2ab8c3d7d2b5bb31c6e05c1d59dc1e6e0b5b3c8c1f")
+            for rel in paths])
+        (crafted / MANIFEST).write_text(manifest.to_json())
+        assert "not a normal relative path" in cli("verify", str(crafted)).stdout + cli("verify", str(crafted)).stderr
+        line = one_line_error(cli("sync", "pull", str(crafted), str(tmp_path / f"pulled-{i}")))
+        assert "not a normal relative path" in line and not (tmp_path / f"pulled-{i}").exists()

@@ -137,15 +137,30 @@ def is_internal(relpath: str) -> bool:
 
 
 def unsafe_path_reason(relpath: str) -> str | None:
-    """Why a manifest path must not be used as a file name under the artifact root (None if it is fine)."""
-    if not relpath or relpath.startswith(("/", "\\")) or (len(relpath) > 1 and relpath[1] == ":"):
-        return "absolute or empty path"
-    parts = PurePosixPath(relpath).parts
-    if any(part in ("..", ".", "") for part in parts) or "\\" in relpath:
-        return "path leaves the artifact (.., . or backslash)"
+    """Why `relpath` cannot name a file of an artifact (None if it can): the one path rule that `manifest`, `sync`
+    (both ways) and `verify` share, so what one accepts every other accepts. A path is POSIX, relative and
+    already normal — segments separated by single slashes, none empty, `.` or `..` — so one file has one name
+    (`a//b` and `a/b` would verify as two files that are one); and it holds no backslash, colon or control
+    character, which other systems read as separators, drive letters or forged output lines."""
+    if not relpath:
+        return "empty path"
+    if relpath.startswith("/"):
+        return "absolute path"
+    if any(part in ("", ".", "..") for part in relpath.split("/")):
+        return "not a normal relative path (an empty, . or .. segment)"
+    if bad := sorted({c for c in relpath if c in "\\:" or not c.isprintable()}):
+        names = {"\\": "a backslash", ":": "a colon"}
+        return "a character other systems read as part of a path or a line: " + ", ".join(
+            names.get(c, repr(c)) for c in bad)
     if relpath == MANIFEST or is_internal(relpath):
         return "reserved name"
     return None
+
+
+def shown(relpath: str) -> str:
+    """A path as it is safe to print: as it is, or quoted with escapes when it holds a control character (a
+    newline in a file name would otherwise print a line that looks like flashdraft's own)."""
+    return relpath if relpath.isprintable() else repr(relpath)
 
 
 def list_data_files(root: Path) -> list[str]:
@@ -164,10 +179,10 @@ def list_data_files(root: Path) -> list[str]:
 
 
 def refuse_unportable(root: Path, rel: str) -> None:
-    """A file that could never verify elsewhere is refused before it is described: a name with a backslash
-    (a path separator on Windows, an error on pull) or a link that leads outside the artifact."""
-    if "\\" in rel:
-        raise BadInput(f"{root / rel}: a file name with a backslash cannot be stored portably; rename it")
+    """A file that could never verify elsewhere is refused before it is described: a name the path rule refuses
+    (`unsafe_path_reason`: `pull` and `verify` would refuse it) or a link that leads outside the artifact."""
+    if reason := unsafe_path_reason(rel):
+        raise BadInput(f"{shown(str(root / rel))}: {reason}; rename it (pull and verify would refuse it)")
     path = root / rel
     if path.is_symlink() and path.is_dir():
         raise BadInput(f"{path} links to a directory ({path.resolve()}); an artifact holds files: copy them in")
@@ -305,7 +320,7 @@ class Problem:
     problem: str
 
     def __str__(self) -> str:
-        return f"{self.path}: {self.problem}"
+        return f"{shown(self.path)}: {self.problem}"
 
 
 def verify_dir(root: str | Path, deep: bool = True, jobs: int | None = None) -> list[Problem]:
