@@ -325,7 +325,7 @@ def manifest(
     json_out: JsonFlag = False,
 ) -> None:
     """Build manifest.json (size + sha256 of every file) for an existing directory."""
-    from flashdraft.artifact.manifest import KINDS, build_manifest, write_manifest
+    from flashdraft.artifact.manifest import KINDS, describe_directory, write_manifest
 
     if kind not in KINDS:
         fail(f"unknown kind {kind!r}; one of {', '.join(KINDS)}")
@@ -334,7 +334,7 @@ def manifest(
     if (existing := _artifact_kind(directory)) not in (None, "files"):
         fail(f"{directory} is a {existing} artifact whose stage wrote its manifest (stats, lineage); "
              f"check it with `flashdraft verify {directory}` rather than replacing it")
-    built = build_manifest(directory, kind=kind)
+    built = describe_directory(directory, kind=kind)
     digest = write_manifest(directory, built)
     summary = f"{len(built.files)} files, {built.total_bytes:,} bytes"
     human(json_out).print(f"manifest: {directory}/manifest.json — {summary}")
@@ -445,8 +445,10 @@ def sync(
             )
         else:
             result = pull(store, Path(dst), delete=delete, jobs=jobs, console=err_console)
-    except VerifyFailed as e:
-        _report_problems(e.where, e.problems, json_out)
+    except VerifyFailed as e:  # a refusal or a failed check: one line, the problems (paths) named in it
+        if json_out:
+            emit_json({"ok": False, "problems": [{"path": p.path, "problem": p.problem} for p in e.problems]})
+        fail(f"{direction.value}: {e}")
     human(json_out).print(result.line(), soft_wrap=True)
     if json_out:
         emit_json(result.to_json())

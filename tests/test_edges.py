@@ -209,3 +209,106 @@ def test_one_path_rule_for_manifest_push_pull_and_verify(cli, tmp_path, s3env):
         assert "not a normal relative path" in cli("verify", str(crafted)).stdout + cli("verify", str(crafted)).stderr
         line = one_line_error(cli("sync", "pull", str(crafted), str(tmp_path / f"pulled-{i}")))
         assert "not a normal relative path" in line and not (tmp_path / f"pulled-{i}").exists()
+
+
+# ---------------------------------------------------------------------------------------------- the store
+
+
+def s3_keys(s3env, url: str) -> dict[str, str]:
+    prefix = url[len("s3://flashdraft/"):] + "/"
+    pages = s3env.client().get_paginator("list_objects_v2").paginate(Bucket="flashdraft", Prefix=prefix)
+    return {o["Key"][len(prefix):]: o["ETag"] for page in pages for o in page.get("Contents", [])}
+
+
+def test_force_delete_removes_only_what_a_replaced_manifest_listed(cli, tmp_path, s3env):
+    import uuid
+
+    # A plain directory as the destination: a user's home, not an artifact. Nothing is deleted, with --force too.
+    home = tmp_path / "home"
+    (home / ".ssh").mkdir(parents=True)
+    (home / ".ssh" / "id_rsa").write_text("-----BEGIN KEY-----")
+    (home / "docs").mkdir()
+    (home / "docs" / "thesis.tex").write_text("\\chapter{One}")
+    (home / ".bashrc").write_text("alias ll='ls -l'")
+    before = tree_digest(home)
+    src = small_artifact(tmp_path / "src", kind="files")
+    line = one_line_error(cli("sync", "push", str(src), str(home), "--force", "--delete"))
+    assert "not deleted" in line and tree_digest(home) == before
+
+    # On S3: a dataset and a drafter stored below the prefix a plain directory is pushed to on purpose.
+    url = f"s3://flashdraft/t-{uuid.uuid4().hex[:10]}/run"
+    cli("sync", "push", str(small_artifact(tmp_path / "ds")), f"{url}/dataset", check=True)
+    cli("sync", "push", str(small_artifact(tmp_path / "dr", kind="drafter")), f"{url}/drafter", check=True)
+    stored = s3_keys(s3env, url)
+    line = one_line_error(cli("sync", "push", str(src), url, "--force", "--delete"))
+    assert "not deleted" in line and s3_keys(s3env, url) == stored
+    assert cli("verify", f"{url}/dataset").returncode == 0 and cli("verify", f"{url}/drafter").returncode == 0
+
+    # Two users' plain directories are two artifacts: the second one's `push --delete` is refused.
+    first, second = small_artifact(tmp_path / "u1", kind="files"), tmp_path / "u2"
+    second.mkdir()
+    (second / "notes.txt").write_text("mine")
+    cli("sync", "push", str(first), f"{url}/shared", check=True)
+    stored = s3_keys(s3env, f"{url}/shared")
+    line = one_line_error(cli("sync", "push", str(second), f"{url}/shared", "--delete"))
+    assert "holds a files artifact made from other settings" in line and s3_keys(s3env, f"{url}/shared") == stored
+    # The same directory, edited, is still the same artifact: its own push --delete replaces it.
+    (first / "part-0.bin").unlink()
+    (first / "extra.txt").write_text("new")
+    cli("sync", "push", str(first), f"{url}/shared", "--delete", check=True)
+    assert set(s3_keys(s3env, f"{url}/shared")) == {"part-1.bin", "extra.txt", "manifest.json"}
+
+
+def many_files(path: Path, n: int, size: int) -> Path:
+    path.mkdir()
+    for i in range(n):
+        (path / f"f-{i:03d}.bin").write_bytes(os.urandom(size))
+    write_manifest(path, build_manifest(path, kind="files"))  # one (empty) lineage: neither refused up front
+    return path
+
+
+def test_a_push_that_said_verified_is_not_broken_by_a_second_writer(tmp_path, s3env):
+    """A slow push (big files) is paused after its first objects; a second push of the same names completes
+    meanwhile; then the first resumes. Whatever said "verified" still verifies after both have ended."""
+    import signal
+    import uuid
+
+    slow, quick = many_files(tmp_path / "slow", 40, 400_000), many_files(tmp_path / "quick", 40, 1000)
+    for attempt in range(3):
+        url = f"s3://flashdraft/t-{uuid.uuid4().hex[:10]}/art"
+        first = subprocess.Popen([*FLASHDRAFT, "sync", "push", str(slow), url, "--jobs", "2"],
+                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        deadline = time.monotonic() + 60
+        while len(s3_keys(s3env, url)) < 3 + attempt and first.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.02)
+        first.send_signal(signal.SIGSTOP)
+        try:
+            second = subprocess.run([*FLASHDRAFT, "sync", "push", str(quick), url], capture_output=True, text=True)
+        finally:
+            first.send_signal(signal.SIGCONT)
+        out, err = first.communicate(timeout=120)
+        outcomes = {"slow": (first.returncode, err), "quick": (second.returncode, second.stderr)}
+        assert all("Traceback" not in e for _, e in outcomes.values()), outcomes
+        said_verified = [name for name, (rc, _) in outcomes.items() if rc == 0]
+        assert len(said_verified) <= 1, outcomes
+        verified = subprocess.run([*FLASHDRAFT, "verify", url], capture_output=True, text=True).returncode == 0
+        assert verified == bool(said_verified), outcomes  # what said "verified" verifies; nothing else does
+        for rc, e in outcomes.values():
+            if rc != 0:
+                one_line_error(subprocess.CompletedProcess([], rc, "", e))
+
+
+def test_two_concurrent_pushes_of_the_same_names_at_most_one_verified_and_it_stays_so(tmp_path, s3env):
+    import uuid
+
+    sources = [many_files(tmp_path / name, 12, 20_000) for name in ("a", "b")]
+    for _ in range(8):
+        url = f"s3://flashdraft/t-{uuid.uuid4().hex[:10]}/art"
+        procs = [subprocess.Popen([*FLASHDRAFT, "sync", "push", str(src), url], stdout=subprocess.PIPE,
+                                  stderr=subprocess.PIPE, text=True) for src in sources]
+        results = [(p.wait(), *p.communicate()) for p in procs]
+        assert all("Traceback" not in err for _, _, err in results), results
+        said = [rc == 0 for rc, _, _ in results]
+        assert sum(said) <= 1, results
+        if any(said):
+            assert subprocess.run([*FLASHDRAFT, "verify", url], capture_output=True, text=True).returncode == 0

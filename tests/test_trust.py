@@ -116,7 +116,7 @@ def test_stages_refuse_an_out_they_do_not_own_and_change_nothing(cli, tmp_path, 
     write_manifest(gen, build_manifest(gen, kind="completions"))
     before = tree_digest(tmp_path)
     line = one_line_error(cli(*tokenize_args(gen, gen, smollm2_dir)))
-    assert "holds a completions artifact, not a dataset one" in line and tree_digest(tmp_path) == before
+    assert f"--out {gen} is the input {gen}" in line and tree_digest(tmp_path) == before
 
     # its own dataset is rebuilt in place, old files replaced as its manifest names them
     dataset = tmp_path / "dataset"
@@ -264,7 +264,7 @@ def test_two_generate_runs_on_one_out_never_mix(tmp_path, tiny_model_dir):
         codes = sorted(code for code, _, _ in results)
         assert codes == [0, 1], results
         loser = next(err for code, _, err in results if code == 1)
-        assert "Traceback" not in loser and ("is in use by `flashdraft generate" in loser
+        assert "Traceback" not in loser and ("is in use by flashdraft generate" in loser
                                              or "different prompts or settings" in loser)
         assert verify_dir(out) == []
         rows = [json.loads(line) for f in sorted(out.glob("batch-*[0-9].jsonl")) for line in f.read_text().splitlines()]
@@ -281,7 +281,7 @@ def test_a_concurrent_tokenize_never_reports_a_dataset_that_does_not_verify(tmp_
         assert verify_dir(out) == [] and read_manifest(out).stats["samples"] == 40
         for code, _, stderr in results:
             assert "Traceback" not in stderr
-            assert code == 0 or "is in use by `flashdraft tokenize" in stderr
+            assert code == 0 or "is in use by flashdraft tokenize" in stderr
 
 
 def test_two_trainings_on_one_out_never_share_it(tmp_path, tiny_target, tiny_dataset):
@@ -293,7 +293,7 @@ def test_two_trainings_on_one_out_never_share_it(tmp_path, tiny_target, tiny_dat
     results = [(p.wait(), *p.communicate()) for p in procs]
     assert all("Traceback" not in err for _, _, err in results)
     refused = [err for code, _, err in results if code != 0]
-    assert all("is in use by `flashdraft train" in err for err in refused)
+    assert all("is in use by flashdraft train" in err for err in refused)
     steps = [json.loads(m)["step"] for m in (out / "metrics.jsonl").read_text().splitlines() if '"loss"' in m]
     assert steps == sorted(set(steps)) == list(range(1, 7))  # every metric once: one writer
     assert verify_dir(out / "drafter") == []

@@ -220,6 +220,23 @@ def build_manifest(
     )
 
 
+def describe_directory(root: str | Path, kind: Kind = "files") -> Manifest:
+    """A manifest for a directory flashdraft did not build (`flashdraft manifest`, or a plain directory pushed).
+    Its lineage is its own: the content digest of its files when it was first described, kept when it is
+    re-described after an edit. So a re-push of the same directory replaces its earlier version at a prefix, and
+    another user's directory — another identity — is another artifact, refused there without `--force`."""
+    root = Path(root)
+    built = build_manifest(root, kind=kind)
+    try:
+        earlier = read_manifest(root)
+    except ManifestError:
+        earlier = None
+    if earlier is not None and earlier.kind == kind:  # the same directory, described again: the same identity
+        return built.model_copy(update={"lineage": earlier.lineage})
+    identity = "directory:" + sha256_json([[f.path, f.sha256] for f in built.files])
+    return built.model_copy(update={"lineage": Lineage(config=identity)})
+
+
 def write_manifest(root: str | Path, manifest: Manifest) -> str:
     """Commit the artifact: write manifest.json atomically. Returns the manifest's sha256 (its identity)."""
     text = manifest.to_json()

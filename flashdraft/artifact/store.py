@@ -39,6 +39,7 @@ MIN_PART_SIZE = 5 << 20  # S3's floor for every part but the last
 MAX_PARTS = 10_000  # S3's ceiling on parts of one upload: past 80 GB the parts grow
 SINGLE_PUT_LIMIT = 5 << 30  # S3's largest single PUT
 PART_WORKERS = 4  # parts of one multipart upload in flight at once
+ABANDONED_UPLOAD_S = 24 * 3600  # an open multipart upload older than this is a killed push's, not a live one's
 
 
 class StoreError(ExpectedFailure):
@@ -116,8 +117,11 @@ class LocalStore:
         digest = digest_file(path)
         return Remote(path.stat().st_size, digest.sha256, digest.crc64nvme)
 
-    def upload(self, local: Path, entry: FileEntry, progress: Progress, part_size: int = DEFAULT_PART_SIZE) -> None:
+    def upload(self, local: Path, entry: FileEntry, progress: Progress, part_size: int = DEFAULT_PART_SIZE, *,
+               if_match: str | None = None, if_absent: bool = False) -> str | None:
+        """Copy one file in, verified. The conditions are S3's; a local destination is locked by its writer."""
         write_verified(_file_chunks(local), self.root / entry.path, entry, progress)
+        return None
 
     def download(self, rel: str, dest: Path, entry: FileEntry, progress: Progress) -> None:
         write_verified(_file_chunks(self.root / rel), dest, entry, progress)
@@ -279,14 +283,18 @@ class S3Store:
 
     # -- interface
 
-    def abort_incomplete_uploads(self) -> int:
-        """Abort the multipart uploads under this prefix that a killed push left open (the server keeps their
-        parts, and bills them, until then). Pushes to one destination do not run concurrently, so any open
-        upload there is a dead one."""
+    def abort_incomplete_uploads(self, older_than_s: float | None = None) -> int:
+        """Abort the multipart uploads under this prefix that were started more than `older_than_s` ago: what a
+        killed push left open (the server keeps their parts, and bills them, until then). A younger one may be a
+        live push's, and is left alone."""
+        from datetime import UTC, datetime
+
         paginator = self.client.get_paginator("list_multipart_uploads")
         base = f"{self.prefix}/" if self.prefix else ""
         pages = self._call(f"list uploads {self.url}", lambda **kw: list(paginator.paginate(**kw)), Prefix=base)
-        uploads = [u for page in pages for u in page.get("Uploads", [])]
+        now, older_than_s = datetime.now(UTC), ABANDONED_UPLOAD_S if older_than_s is None else older_than_s
+        uploads = [u for page in pages for u in page.get("Uploads", [])
+                   if "Initiated" in u and (now - u["Initiated"]).total_seconds() > older_than_s]
         for u in uploads:
             self._call(f"abort upload {u['Key']}", self.client.abort_multipart_upload, missing_ok=True,
                        Key=u["Key"], UploadId=u["UploadId"])
@@ -311,8 +319,22 @@ class S3Store:
             return None
         return Remote(r["ContentLength"], _hex(r.get("ChecksumSHA256")), _hex(r.get("ChecksumCRC64NVME")))
 
-    def upload(self, local: Path, entry: FileEntry, progress: Progress, part_size: int = DEFAULT_PART_SIZE) -> None:
+    def upload(self, local: Path, entry: FileEntry, progress: Progress, part_size: int = DEFAULT_PART_SIZE, *,
+               if_match: str | None = None, if_absent: bool = False) -> str | None:
+        """Send one file, checked by the server against the manifest's checksum; returns the ETag it got. With
+        `if_absent` (If-None-Match) or `if_match` (an ETag) the object is written only over the version the
+        caller saw: another writer's object in between makes it fail (PreconditionFailed) and keeps theirs."""
         part_size = max(part_size, MIN_PART_SIZE)
+        condition = {"IfMatch": if_match} if if_match else ({"IfNoneMatch": "*"} if if_absent else {})
+        try:
+            return self._upload(local, entry, progress, part_size, condition)
+        except StoreError as e:
+            if "PreconditionFailed" not in str(e) and "412" not in str(e):
+                raise
+            raise StoreError(f"{entry.path}: another writer changed it since this push started (theirs was kept); "
+                             "rerun once the other push has finished") from None
+
+    def _upload(self, local: Path, entry: FileEntry, progress: Progress, part_size: int, condition: dict) -> str | None:
         if entry.size <= min(part_size, SINGLE_PUT_LIMIT):
             with open(local, "rb") as f:
                 # The server checks the body against the manifest's CRC64NVME (its SHA-256 for a manifest without
@@ -321,7 +343,7 @@ class S3Store:
                 # fraction of a SHA-256 pass (1.1x faster pushes on a 2-core machine serving its own store); the
                 # SHA-256 stays the artifact's identity, re-hashed by every pull and `verify --deep`.
                 try:
-                    self._call(
+                    r = self._call(
                         f"upload {entry.path}",
                         self.client.put_object,
                         Key=self.key(entry.path),
@@ -329,6 +351,7 @@ class S3Store:
                         ContentLength=entry.size,
                         **({"ChecksumCRC64NVME": _b64(entry.crc64nvme)} if entry.crc64nvme else
                            {"ChecksumSHA256": _b64(entry.sha256)}),
+                        **condition,
                     )
                 except StoreError as e:
                     if not any(code in str(e) for code in ("BadDigest", "ChecksumMismatch", "InvalidDigest")):
@@ -337,11 +360,13 @@ class S3Store:
                                      f"checksum and kept nothing): the local file changed since its manifest was "
                                      f"written ({e})") from None
             progress(entry.size)
-        else:  # past S3's single-PUT limit even a "whole files" push sends parts
-            self._upload_multipart(local, entry, progress, part_size if part_size < SINGLE_PUT_LIMIT
-                                   else DEFAULT_PART_SIZE)
+            return r.get("ETag")
+        # past S3's single-PUT limit even a "whole files" push sends parts
+        return self._upload_multipart(local, entry, progress, part_size if part_size < SINGLE_PUT_LIMIT
+                                      else DEFAULT_PART_SIZE, condition)
 
-    def _upload_multipart(self, local: Path, entry: FileEntry, progress: Progress, part_size: int) -> None:
+    def _upload_multipart(self, local: Path, entry: FileEntry, progress: Progress, part_size: int,
+                          condition: dict) -> str | None:
         from awscrt.checksums import crc64nvme
 
         part_size = max(part_size, -(-entry.size // MAX_PARTS))
@@ -382,7 +407,7 @@ class S3Store:
             if got.sha256 != entry.sha256:
                 raise StoreError(f"{entry.path}: local file changed since its manifest was written (sha256 differs)")
             # The server checks the whole object against the manifest's CRC64NVME before the object appears.
-            self._call(
+            done = self._call(
                 f"upload {entry.path}",
                 self.client.complete_multipart_upload,
                 Key=key,
@@ -390,6 +415,7 @@ class S3Store:
                 MultipartUpload={"Parts": parts},
                 ChecksumCRC64NVME=_b64(entry.crc64nvme or got.crc64nvme),
                 ChecksumType="FULL_OBJECT",
+                **condition,
             )
         except BaseException:
             pool.shutdown(wait=True, cancel_futures=True)  # no part may land after the abort
@@ -400,6 +426,7 @@ class S3Store:
             raise
         finally:
             pool.shutdown(wait=True)
+        return done.get("ETag")
 
     def download(self, rel: str, dest: Path, entry: FileEntry, progress: Progress) -> None:
         body = self._call(f"download {rel}", self.client.get_object, Key=self.key(rel))["Body"]

@@ -30,8 +30,8 @@ from flashdraft.artifact.manifest import (
     Manifest,
     ManifestError,
     Problem,
-    build_manifest,
     content_problems,
+    describe_directory,
     digest_files,
     list_data_files,
     parse_manifest,
@@ -41,7 +41,15 @@ from flashdraft.artifact.manifest import (
     write_manifest,
 )
 from flashdraft.artifact.ownership import OWNER, claim_output, output_lock, read_marker, refuse_overlap
-from flashdraft.artifact.store import DEFAULT_PART_SIZE, MIN_PART_SIZE, SINGLE_PUT_LIMIT, Listed, Remote, StoreError
+from flashdraft.artifact.store import (
+    DEFAULT_PART_SIZE,
+    MIN_PART_SIZE,
+    SINGLE_PUT_LIMIT,
+    Listed,
+    LocalStore,
+    Remote,
+    StoreError,
+)
 from flashdraft.errors import ExpectedFailure
 
 
@@ -88,7 +96,7 @@ class VerifyFailed(ExpectedFailure):
     def __str__(self) -> str:
         shown = "; ".join(str(p) for p in self.problems[:5])
         more = f" (+{len(self.problems) - 5} more)" if len(self.problems) > 5 else ""
-        return f"{self.where} does not verify: {shown}{more}"
+        return f"{self.where}: {shown}{more}"
 
 
 # ---------------------------------------------------------------------------------------------- helpers
@@ -143,12 +151,12 @@ def local_manifest(src: Path, log: Callable[[str], None], deep: bool = True) -> 
     except ManifestError:
         kind = "files"
     if not (src / MANIFEST).exists():
-        write_manifest(src, built := build_manifest(src, kind="files"))
+        write_manifest(src, built := describe_directory(src))
         log(f"notice: {src} had no manifest.json; built one ({len(built.files)} files)")
     elif problems := verify_dir(src, deep=deep or kind == "files"):
         if kind != "files":
             raise VerifyFailed(str(src), problems)
-        write_manifest(src, built := build_manifest(src, kind="files"))
+        write_manifest(src, built := describe_directory(src))
         log(f"notice: {src} changed since its manifest ({problems[0]}…); re-described it ({len(built.files)} files)")
     raw = (src / MANIFEST).read_bytes()
     return parse_manifest(raw), raw
@@ -202,17 +210,33 @@ def push(
     log: Callable[[str], None] = print,
 ) -> SyncResult:
     """Push the artifact at `src` to `store`. Refused before anything is written when the prefix holds an
-    artifact of another kind or lineage (unless `force`), or objects no manifest of this artifact listed.
-    `part_size`: files larger than this go in parts of this size; None chooses (`upload_part_size`)."""
+    artifact of another kind or lineage (unless `force`), or objects no manifest of this artifact listed (with or
+    without `force`: `--delete` removes only what a replaced manifest of this prefix listed).
+    `part_size`: files larger than this go in parts of this size; None chooses (`upload_part_size`).
+
+    Two writers at once: a local destination is locked for the push; on S3 every object is written only over the
+    version this push saw at its start (a conditional write: If-None-Match for a new object, If-Match its ETag
+    for a replaced one) and only while the prefix has no manifest (looked at before each write), and after its
+    own commit the push confirms that every object is the one it sent or kept. So of two concurrent pushes at
+    most one ends "verified", and a push that said "verified" is not overwritten by the other afterwards."""
     if getattr(store, "prefix", None) == "":
         raise StoreError(f"refusing to push to the bucket root {store.url}: name a prefix (e.g. {store.url}/run1/data)")
+    if isinstance(store, LocalStore):
+        refuse_overlap(store.root, [src])
+        with output_lock(store.root):
+            return _push(Path(src), store, delete, jobs, part_size, force, console, log)
+    return _push(Path(src), store, delete, jobs, part_size, force, console, log)
+
+
+def _push(src: Path, store, delete: bool, jobs: int, part_size: int | None, force: bool, console,
+          log: Callable[[str], None]) -> SyncResult:
     # A stage artifact's bytes are checked once: the files that will not be sent are re-hashed here (below), the
     # ones that will are checked by the store against the manifest's checksums as they arrive.
-    manifest, raw = local_manifest(Path(src), log, deep=False)
+    manifest, raw = local_manifest(src, log, deep=False)
     result = SyncResult("push", str(src), store.url)
-    listing = store.list()
+    listing = store.list()  # what this push saw at its start: every write below is conditional on it
     listed = {e.path for e in manifest.files}
-    memo = EtagMemo(Path(src), store.url)
+    memo = EtagMemo(src, store.url)
 
     # What the destination already holds, by content: the store's checksum of every object whose size
     # matches, or, for an object this machine confirmed before, its unchanged ETag in the listing.
@@ -223,7 +247,7 @@ def push(
     to_send = [e for e in manifest.files if not (e.path in present and present[e.path].matches(e))]
     sending = {e.path for e in to_send}
     kept = [e for e in manifest.files if e.path not in sending]
-    if manifest.kind != "files" and (problems := content_problems(Path(src), kept)):
+    if manifest.kind != "files" and (problems := content_problems(src, kept)):
         raise VerifyFailed(str(src), problems)
     extra = [rel for rel in listing if rel != MANIFEST and rel not in listed]
     remote_manifest = claim_prefix(store, manifest.kind, manifest.lineage, force=force, log=log) \
@@ -234,34 +258,46 @@ def push(
         result.already_done, result.skipped, result.verified = True, len(manifest.files), len(manifest.files)
         return result
 
-    # What earlier manifests of this artifact listed: the only objects --delete may remove. Kept under an
-    # internal name while the manifest is absent, so a push killed midway still knows on its rerun. Anything
-    # else under the prefix stops the push before it changes anything.
+    # What earlier manifests of this prefix listed: the only objects --delete may remove (with or without --force:
+    # replacing an artifact on purpose never deletes what it did not list, such as another artifact stored below).
+    # Kept under an internal name while the manifest is absent, so a push killed midway still knows on its rerun.
+    # Anything else under the prefix stops the push before it changes anything.
     earlier = _listed_by(store.read_bytes(EARLIER)) | _listed_by(remote_manifest)
-    if force:
-        earlier |= set(extra)
     foreign = [rel for rel in extra if rel not in earlier]
     if foreign or (extra and not delete):
-        why = ("unlisted object that no earlier manifest of this artifact listed: not deleted (another "
-               "artifact's? remove it by hand or push to an empty prefix)")
+        why = ("unlisted object that no earlier manifest of this prefix listed: not deleted (another artifact's, "
+               "or a user's? remove it by hand or push to an empty prefix)")
         raise VerifyFailed(store.url, [Problem(rel, why if rel in foreign else
                                                "unlisted object: not in the manifest (push with --delete to remove it)")
                                        for rel in foreign + [r for r in extra if r not in foreign]])
     retire_manifest(store, remote_manifest, earlier)
     if hasattr(store, "abort_incomplete_uploads") and (aborted := store.abort_incomplete_uploads()):
-        log(f"push: aborted {aborted} incomplete multipart upload(s) an earlier push left at {store.url}")
+        log(f"push: aborted {aborted} multipart upload(s) at {store.url} left open for over a day (a killed push's)")
+    guard = NoManifestGuard(store)
     total = sum(e.size for e in to_send)
     part_size = part_size or upload_part_size(to_send, jobs)
+    sent: dict[str, str | None] = {}  # path -> the ETag the store gave this push's upload
+
+    def upload(entry: FileEntry) -> None:
+        guard.check()
+        before = listing.get(entry.path)
+        sent[entry.path] = store.upload(src / entry.path, entry, advance, part_size,
+                                        if_match=before.etag if before else None, if_absent=before is None)
+
     with transfer_progress(console, total, "upload") as advance:
-        _transfer_all(lambda e: store.upload(Path(src) / e.path, e, advance, part_size), to_send, jobs)
+        _transfer_all(upload, to_send, jobs)
     if delete:
         for rel in extra:
+            guard.check()
             store.delete(rel)
         result.deleted = len(extra)
 
     confirmed: dict = {}
     known = {k: v for k, v in present.items() if k not in sending}
     problems = check_objects(store, manifest, jobs, known=known, confirmed=confirmed)
+    expected = {rel: sent[rel] if rel in sent else listing[rel].etag for rel in listed}
+    problems += [Problem(rel, "overwritten by another writer during this push") for rel, item in confirmed.items()
+                 if expected.get(rel) and item.etag and item.etag != expected[rel]]
     if problems:
         raise VerifyFailed(store.url, problems)
     store.put_manifest(raw)  # a conditional create: a second writer's fails (this push deleted the old one)
@@ -279,6 +315,22 @@ def push(
     result.transferred, result.bytes_transferred = len(to_send), total
     result.skipped, result.verified = len(manifest.files) - len(to_send), len(manifest.files)
     return result
+
+
+class NoManifestGuard:
+    """Looked at before each object a push writes or deletes: the prefix must still have no manifest. One that
+    appeared is another writer's commit, which this push must not change (its own commit comes after its last
+    write). On a local store the directory's lock already keeps writers apart."""
+
+    def __init__(self, store) -> None:
+        self.store = store
+
+    def check(self) -> None:
+        if isinstance(self.store, LocalStore):
+            return
+        if self.store.head(MANIFEST) is not None:
+            raise StoreError(f"{self.store.url}: another writer committed an artifact here since this push started; "
+                             "this push stopped without changing it: rerun to see what is there now")
 
 
 def upload_part_size(to_send: list[FileEntry], jobs: int) -> int:
