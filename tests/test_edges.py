@@ -312,3 +312,51 @@ def test_two_concurrent_pushes_of_the_same_names_at_most_one_verified_and_it_sta
         assert sum(said) <= 1, results
         if any(said):
             assert subprocess.run([*FLASHDRAFT, "verify", url], capture_output=True, text=True).returncode == 0
+
+
+# ---------------------------------------------------------------------------------------------- settings
+
+
+def test_settings_out_of_range_or_unused_are_one_line_before_any_work(cli, tmp_path, tiny_target, tiny_dataset):
+    from tests.test_trust import train_config
+
+    cases = {
+        "max_anchors: 1e20": dict(max_anchors=10**20),
+        "seed: 1e23": dict(seed=10**23),
+        "num_layers: 1e8": dict(num_layers=10**8),
+        "selector_rank: 1e8": dict(architecture="dflash2", selector_rank=10**8),
+        "lr: .inf": dict(lr=float("inf")),
+        "muon_lr: .inf": dict(optimizer="muon", muon_lr=float("inf")),
+        "target_layer_ids: [-5]": dict(target_layer_ids=[-5]),
+        "target_layer_ids: [1, 99]": dict(target_layer_ids=[1, 99]),
+        "mask_token_id: 100000": dict(mask_token_id=100000),
+        "draft_vocab_size: 1e8": dict(draft_vocab_size=10**8),
+        "dpace_alpha with loss: decay": dict(dpace_alpha=0.3),
+        "muon_lr with AdamW": dict(muon_lr=1e-2),
+        "selector_top_k with DFlash": dict(selector_top_k=8),
+    }
+    for name, setting in cases.items():
+        out = tmp_path / "out"
+        cfg = train_config(tmp_path / "t.yaml", tiny_target, max_steps=1, **setting)
+        started = time.monotonic()
+        proc = cli("train", "--config", str(cfg), "--data", str(tiny_dataset), "--out", str(out), timeout=120)
+        assert proc.returncode == 1, name
+        assert one_line_error(proc).startswith("error: invalid config" if name != "target_layer_ids: [1, 99]" and
+                                               "mask" not in name and "draft_vocab" not in name else "error: train.")
+        assert time.monotonic() - started < 60 and not (out / "drafter").exists() and not (out / "checkpoints").exists()
+
+
+def test_a_dflash2_selector_too_big_for_the_vocabulary_is_refused_before_it_is_built():
+    from transformers import Qwen3Config
+
+    from flashdraft.config import TrainConfig
+    from flashdraft.train.data import BadTrainingInput, check_against_target
+
+    qwen3_8b_vocab = Qwen3Config(vocab_size=151_936, num_hidden_layers=36)
+    check_against_target(TrainConfig(architecture="dflash2", selector_rank=256), qwen3_8b_vocab)  # the default fits
+    try:
+        check_against_target(TrainConfig(architecture="dflash2", selector_rank=8192), qwen3_8b_vocab)
+    except BadTrainingInput as e:
+        assert "GiB" in str(e) and "use a rank of at most" in str(e)
+    else:
+        raise AssertionError("a 28 GiB selector was accepted")

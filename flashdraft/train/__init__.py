@@ -69,6 +69,7 @@ from flashdraft.train.checkpoint import (
 )
 from flashdraft.train.data import (
     BadTrainingInput,
+    check_against_target,
     check_token_ids,
     check_tokenizer,
     choose_draft_vocab,
@@ -156,6 +157,9 @@ def _run(cfg: TrainConfig, data: Path, out: Path, require_checkpoint: bool, cons
         raise BadTrainingInput(f"--resume: {out} has no complete checkpoint of this run to resume from")
 
     check_tokenizer(dataset_manifest.stats.get("tokenizer_vocab"), target_path)  # before any compute
+    from transformers import AutoConfig
+
+    check_against_target(cfg, AutoConfig.from_pretrained(target_path))  # its config only, not its weights
     if cfg.distill_topk and cfg.features != "offline":
         raise BadTrainingInput("train.distill_topk reads the target's top-k from the offline feature cache: "
                                "set train.features: offline (or distill_topk: 0)")

@@ -81,6 +81,32 @@ def check_tokenizer(dataset_vocab: str | None, target_path: str) -> None:
         )
 
 
+SELECTOR_BYTES_LIMIT = 8 << 30  # DFlash2's codebooks (float32, with AdamW's two moments) past this are a typo
+
+
+def check_against_target(cfg: TrainConfig, target_config) -> None:
+    """The settings whose range is the target's: layer ids inside it, a mask token and vocabulary sizes inside
+    its vocabulary, a DFlash2 selector that fits in memory. Refused in one line before any weight is built."""
+    t = target_config.get_text_config() if hasattr(target_config, "get_text_config") else target_config
+    layers, vocab = t.num_hidden_layers, t.vocab_size
+    if cfg.target_layer_ids and (outside := [i for i in cfg.target_layer_ids if i >= layers]):
+        raise BadTrainingInput(f"train.target_layer_ids {outside} are not layers of the target, which has {layers} "
+                               f"(0 … {layers - 1})")
+    if cfg.mask_token_id is not None and cfg.mask_token_id >= vocab:
+        raise BadTrainingInput(f"train.mask_token_id {cfg.mask_token_id} is outside the target's vocabulary "
+                               f"(0 … {vocab - 1})")
+    if cfg.draft_vocab_size is not None and cfg.draft_vocab_size > vocab:
+        raise BadTrainingInput(f"train.draft_vocab_size {cfg.draft_vocab_size:,} is larger than the target's "
+                               f"vocabulary ({vocab:,}): drop it for the full vocabulary")
+    if cfg.architecture == "dflash2":
+        codebooks = 2 * vocab * cfg.selector_rank * 4 * 3  # weights and AdamW's two moments, float32
+        if codebooks > SELECTOR_BYTES_LIMIT:
+            raise BadTrainingInput(f"train.selector_rank {cfg.selector_rank} makes DFlash2's codebooks "
+                                   f"{codebooks / 2**30:.0f} GiB with their optimizer state for a {vocab:,}-token "
+                                   f"vocabulary (limit {SELECTOR_BYTES_LIMIT / 2**30:.0f} GiB): use a rank of at most "
+                                   f"{SELECTOR_BYTES_LIMIT // (2 * vocab * 4 * 3)}")
+
+
 def pick_mask_token(cfg: TrainConfig, target_config, target_path: str, counts: TokenCounts) -> int:
     """An id the target never sees in use: a padded embedding row if there is one, else the highest id
     that the training data never contains."""
