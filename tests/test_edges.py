@@ -360,3 +360,53 @@ def test_a_dflash2_selector_too_big_for_the_vocabulary_is_refused_before_it_is_b
         assert "GiB" in str(e) and "use a rank of at most" in str(e)
     else:
         raise AssertionError("a 28 GiB selector was accepted")
+
+
+# ---------------------------------------------------------------------------------------------- resume
+
+
+def test_a_resume_reads_metrics_to_their_last_complete_line_and_checks_a_crafted_position(cli, tmp_path, tiny_target,
+                                                                                         tiny_dataset):
+    import shutil
+
+    from flashdraft.artifact.manifest import read_manifest
+    from tests.test_trust import train_config
+
+    out = tmp_path / "out"
+    cfg = train_config(tmp_path / "t.yaml", tiny_target, max_steps=4, checkpoint_every=2)
+    args = ("train", "--config", str(cfg), "--data", str(tiny_dataset), "--out", str(out))
+    cli(*args, check=True)
+    newest = out / "checkpoints" / "step-0000004"
+
+    def resume_after(edit_position=None) -> subprocess.CompletedProcess:
+        shutil.rmtree(out / "drafter")
+        if edit_position is not None:
+            (newest / "position.json").write_text(edit_position)
+            old = read_manifest(newest)  # re-described, as a careful forger would: it verifies
+            write_manifest(newest, build_manifest(newest, kind="checkpoint", stats=old.stats, lineage=old.lineage))
+        return cli(*args)
+
+    with open(out / "metrics.jsonl", "a") as f:
+        f.write('{"step": 3, "epoch": 0, "lo')  # what a kill mid-write leaves
+    resumed = resume_after()
+    assert resumed.returncode == 0, resumed.stderr
+    assert "resuming from step-0000004" in resumed.stdout
+    assert all(json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines())
+
+    good = (newest / "position.json").read_text()
+    for crafted, expected in [('{"step": "abc", "epoch": 0, "batch": 0}', "is not a checkpoint position"),
+                              ('{"step": 1e30, "epoch": 0, "batch": 0}', "is not a checkpoint position"),
+                              ('{"step": 999, "epoch": 0, "batch": 0}', "but the checkpoint is step-0000004")]:
+        line = one_line_error(resume_after(crafted))
+        assert expected in line and "delete that checkpoint" in line and not (out / "drafter").exists()
+        (out / "drafter").mkdir()  # resume_after removes it first
+    (newest / "position.json").write_text(good)
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    weights = load_file(str(newest / "drafter.safetensors"))
+    name = sorted(weights)[0]
+    weights[name] = torch.zeros(3, 3)  # wrong-shaped
+    save_file(weights, str(newest / "drafter.safetensors"))
+    line = one_line_error(resume_after(good))
+    assert "does not fit this drafter" in line

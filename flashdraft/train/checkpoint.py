@@ -20,8 +20,11 @@ import shutil
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Annotated
 
 import torch
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from safetensors import SafetensorError
 from safetensors.torch import load_file
 
 from flashdraft.artifact.atomic import atomic_write_text, write_safetensors
@@ -108,10 +111,40 @@ def load_checkpoint(path: Path, model, optimizers) -> dict:
             raise BadTrainingInput(f"{path}/{LEGACY_OPTIMIZER} is not a plain optimizer state ({type(e).__name__}); "
                                    "it was not loaded: delete that checkpoint to start over") from None
         optimizer_state, scheduler_state = legacy["optimizer"], legacy["scheduler"]
+    position = read_position(path)  # before any state changes, as the schedule below
     optimizers.load_schedule_state(scheduler_state)  # first: a mismatch is refused before any state changes
-    set_state_dict(model, optimizers.all, model_state_dict=load_file(str(path / "drafter.safetensors")),
-                   optim_state_dict=optimizer_state, options=StateDictOptions(full_state_dict=True))
-    return json.loads((path / "position.json").read_text())
+    try:
+        set_state_dict(model, optimizers.all, model_state_dict=load_file(str(path / "drafter.safetensors")),
+                       optim_state_dict=optimizer_state, options=StateDictOptions(full_state_dict=True))
+    except (RuntimeError, ValueError, KeyError, SafetensorError) as e:  # another shape, a missing tensor
+        first = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
+        raise BadTrainingInput(f"{path} does not fit this drafter ({first}); it was not loaded: delete that "
+                               "checkpoint to start over") from None
+    return position
+
+
+class Position(BaseModel):
+    """Where a checkpoint's run stood: read from position.json, which a hand or another program may have edited."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+    step: Annotated[int, Field(ge=1, le=2**31 - 1)]
+    epoch: Annotated[int, Field(ge=0, le=2**31 - 1)]
+    batch: Annotated[int, Field(ge=0, le=2**31 - 1)]
+
+
+def read_position(path: Path) -> dict:
+    """A checkpoint's position, checked: whole numbers in range, and the step its directory is named for."""
+    try:
+        position = Position.model_validate_json((path / "position.json").read_bytes())
+    except (OSError, ValidationError) as e:
+        why = e.strerror if isinstance(e, OSError) else e.errors()[0]["msg"]
+        raise BadTrainingInput(f"{path}/position.json is not a checkpoint position ({why}): delete that checkpoint "
+                               "to start over") from None
+    named = path.name.removeprefix("step-")
+    if not named.isdigit() or int(named) != position.step:
+        raise BadTrainingInput(f"{path}/position.json says step {position.step}, but the checkpoint is {path.name}: "
+                               "delete that checkpoint to start over")
+    return position.model_dump()
 
 
 def prune_checkpoints(out: Path, keep: int, removable: Callable[[str], bool] = lambda name: True) -> list[str]:

@@ -96,8 +96,17 @@ def append_jsonl(path: Path, record: dict) -> None:
 
 
 def truncate_metrics(path: Path, step: int) -> None:
-    """On resume, drop metric lines past the checkpoint so the curve has no duplicate steps."""
+    """On resume, drop metric lines past the checkpoint so the curve has no duplicate steps. The file is read up to
+    its last complete line: a kill or a full disk may leave a partial one (and a line that is not a metrics record
+    is dropped with it), which must not stop every resume."""
     if not path.exists():
         return
-    keep = [line for line in path.read_text().splitlines() if json.loads(line)["step"] <= step]
+    keep = []
+    for line in path.read_text(errors="replace").split("\n")[:-1]:  # what follows the last newline is partial
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(record, dict) and isinstance(record.get("step"), int) and record["step"] <= step:
+            keep.append(line)
     atomic_write_text(path, "".join(line + "\n" for line in keep))
