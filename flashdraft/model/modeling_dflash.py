@@ -13,7 +13,8 @@ pass equals `flashdraft.model.drafter.DFlashDrafter` on the same weights.
 
 DFlash2 (`DFlash2DraftModel`, z-lab / Inco AI, 2026) is the same model plus, in every layer, a grouped dynamic
 causal convolution around the attention and the MLP (`BlockConv`), and a candidate selector that re-ranks the
-LM head's top-K for each block slot with the token drafted before it (`CandidateSelector`, `propose`).
+LM head's top-K for each block slot with the token drafted before it (`CandidateSelector`, `propose`, called as
+z-lab's decoding loop calls it: the rows after the anchor, the anchor ids, the output head, the temperature).
 
 Attention: queries come from the block (`noise_embedding`); keys/values are the projected target context
 followed by the block. A `full_attention` layer sees every key; a `sliding_attention` layer sees keys
@@ -261,7 +262,7 @@ class DFlashDraftModel(Qwen3PreTrainedModel):
 class DFlash2DraftModel(DFlashDraftModel):
     """DFlash2: `forward` gives the hidden state of every block slot, as for DFlash; `compute_logits` scales the
     target head's logits as the target does; `propose` walks the block from the anchor, re-ranking each slot's
-    top-K with the token chosen before it (greedy)."""
+    top-K with the token chosen before it (greedy, or sampled at a temperature)."""
 
     _no_split_modules = ["DFlash2DecoderLayer"]
     layer_class = DFlash2DecoderLayer
@@ -278,14 +279,26 @@ class DFlash2DraftModel(DFlashDraftModel):
     def compute_logits(self, hidden: torch.Tensor, output_head: nn.Module) -> torch.Tensor:
         return logit_transform(output_head(hidden), self.output_multiplier, self.final_logit_softcapping)
 
-    def propose(self, hidden: torch.Tensor, anchor_ids: torch.Tensor, output_head: nn.Module):
-        """hidden (B, K, D) of a block, slot 0 the anchor's; anchor_ids (B) → (the greedy path B × (K − 1), the
-        candidates it chose from B × (K − 1) × top_k)."""
-        previous, path, candidates = anchor_ids, [], []
-        for slot in range(1, hidden.shape[1]):
-            unary = self.compute_logits(hidden[:, slot], output_head)
-            ids, scores = self.candidate_selector.scores(unary, hidden[:, slot], previous, self.top_k)
-            previous = ids.gather(-1, scores.argmax(-1, keepdim=True)).squeeze(-1)
+    def propose(self, hidden: torch.Tensor, anchor_ids: torch.Tensor, output_head: nn.Module,
+                temperature: float = 0.0):
+        """z-lab's calling convention, as its decoding loop calls it: hidden (B, P, D) = the block's rows *after*
+        the anchor's (P = K − 1), anchor_ids (B), the target's output head, the sampling temperature →
+        (proposals B × P, the top-K candidates of each slot B × P × top_k, and at temperature > 0 the selector's
+        distribution over them B × P × top_k for lossless rejection sampling, else None). Each slot re-ranks the
+        LM head's top-K with the token chosen at the slot before (the anchor for the first): the greedy walk at
+        temperature 0, a sample from softmax(scores / T) above."""
+        logits = self.compute_logits(hidden, output_head)
+        previous, path, candidates, distributions = anchor_ids, [], [], []
+        for slot in range(hidden.shape[1]):
+            ids, scores = self.candidate_selector.scores(logits[:, slot], hidden[:, slot], previous, self.top_k)
+            if temperature > 0:
+                q = torch.softmax(scores / temperature, dim=-1)
+                choice = torch.multinomial(q, 1).squeeze(-1)
+                distributions.append(q)
+            else:
+                choice = scores.argmax(-1)
+            previous = ids.gather(-1, choice[:, None]).squeeze(-1)
             path.append(previous)
             candidates.append(ids)
-        return torch.stack(path, dim=1), torch.stack(candidates, dim=1)
+        q = torch.stack(distributions, dim=1) if distributions else None
+        return torch.stack(path, dim=1), torch.stack(candidates, dim=1), q

@@ -169,9 +169,16 @@ def test_the_shipped_modeling_file_computes_forward_logits_and_path_as_flashdraf
         assert torch.allclose(theirs, ours, atol=1e-5)
         unary = drafter.unary_logits(head(ours))
         assert torch.allclose(model.compute_logits(theirs, head), unary, atol=1e-5)
-        path, candidates = model.propose(theirs, torch.tensor([11]), head)
+        # exactly as z-lab's decoding loop calls it: the rows after the anchor's, the anchor, the head, T = 0
+        path, candidates, q = model.propose(theirs[:, 1 - K:, :], torch.tensor([11]), head, 0.0)
         mine, my_candidates, _ = drafter.walk(unary[0, 1:], ours[0, 1:], 11, lambda score: score.argmax())
+    assert path.shape == (1, K - 1) and q is None
     assert torch.equal(path[0], mine) and torch.equal(candidates[0], my_candidates)
+    with torch.no_grad():  # sampling: a distribution over each slot's candidates, and the sample is one of them
+        torch.manual_seed(0)
+        sampled, candidates, q = model.propose(theirs[:, 1 - K:, :], torch.tensor([11]), head, 0.7)
+    assert q.shape == (1, K - 1, candidates.shape[-1]) and torch.allclose(q.sum(-1), torch.ones(1, K - 1))
+    assert bool((candidates == sampled[..., None]).any(-1).all())
     assert not torch.equal(mine, unary[0, 1:].argmax(-1))  # the trained selector re-ranks: the check has teeth
 
 

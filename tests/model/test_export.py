@@ -144,7 +144,7 @@ head.load_state_dict(torch.load({str(tmp_path / 'head.pt')!r}))
 with torch.no_grad():
     hidden2 = model2(position_ids=torch.arange({context + k})[None], noise_embedding=x["block"],
                      target_hidden=x["features"])
-    path, candidates = model2.propose(hidden2, torch.tensor([5]), head)
+    path, candidates, _ = model2.propose(hidden2[:, 1 - {k}:, :], torch.tensor([5]), head, 0.0)
 torch.save({{"name": type(model2).__name__, "hidden": hidden2, "path": path, "candidates": candidates}},
            {str(tmp_path / 'dflash2.pt')!r})
 """
