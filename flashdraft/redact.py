@@ -1,4 +1,6 @@
-"""One redaction for everything flashdraft prints or writes: the user:password part of any URL.
+"""One redaction for everything flashdraft prints or writes: the user:password part of any URL, and the value of
+every secret the environment hands flashdraft (an API key a server echoes back in an error must not land in
+errors.jsonl or on the terminal).
 
     redact("http://alice:s3cret@gpu-a:8000/v1 refused") == "http://***@gpu-a:8000/v1 refused"
 
@@ -10,11 +12,23 @@ those logs as well (`store.SecretRedactor`).
 
 from __future__ import annotations
 
+import os
 import re
 
 # scheme://userinfo@ — the userinfo has no '/', whitespace, quote or '@' (RFC 3986 §3.2.1)
 USERINFO = re.compile(r"(?P<scheme>\b[A-Za-z][A-Za-z0-9+.-]*://)[^/\s@'\"<>]+@")
 
 
+# Environment variables whose values are secrets (read at each call: a test or a wrapper may set them late).
+SECRET_VARIABLES = ("OPENAI_API_KEY", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "HF_TOKEN",
+                    "HUGGING_FACE_HUB_TOKEN", "WANDB_API_KEY")
+MIN_SECRET = 6  # shorter values ("none", "EMPTY", a test's "x") would blot out ordinary words
+
+
 def redact(text: str) -> str:
-    return USERINFO.sub(r"\g<scheme>***@", text)
+    text = USERINFO.sub(r"\g<scheme>***@", text)
+    for name in SECRET_VARIABLES:
+        value = os.environ.get(name, "")
+        if len(value) >= MIN_SECRET and value in text:
+            text = text.replace(value, "***")
+    return text

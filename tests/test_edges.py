@@ -410,3 +410,41 @@ def test_a_resume_reads_metrics_to_their_last_complete_line_and_checks_a_crafted
     save_file(weights, str(newest / "drafter.safetensors"))
     line = one_line_error(resume_after(good))
     assert "does not fit this drafter" in line
+
+
+# ---------------------------------------------------------------------------------------------- leaks
+
+
+def test_an_api_key_a_server_echoes_back_is_never_written_or_printed(tmp_path):
+    """A server that puts the request's bearer token into its error body (some proxies do)."""
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    class Echo(BaseHTTPRequestHandler):
+        def do_POST(self):  # noqa: N802 (http.server's name)
+            self.rfile.read(int(self.headers.get("Content-Length", 0)))
+            body = json.dumps({"error": {"message": f"bad key: {self.headers.get('Authorization')}"}}).encode()
+            self.send_response(400)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Echo)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"messages": [{"role": "user", "content": "Hi?"}]}) + "\n")
+    key = "sk-flashdraft-test-0123456789abcdef"
+    try:
+        proc = subprocess.run([*FLASHDRAFT, "generate", "--backend", "openai", "--base-url",
+                               f"http://127.0.0.1:{server.server_port}/v1", "--model", "m", "--prompts", str(prompts),
+                               "--out", str(tmp_path / "gen")], capture_output=True, text=True, timeout=120,
+                              env=dict(os.environ, OPENAI_API_KEY=key))
+    finally:
+        server.shutdown()
+    written = "".join(p.read_text() for p in (tmp_path / "gen").rglob("*") if p.is_file())
+    assert "bad key: Bearer ***" in written  # the error is kept, the key is not
+    assert key not in written and key not in proc.stdout + proc.stderr

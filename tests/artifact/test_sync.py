@@ -427,6 +427,11 @@ def test_a_store_that_returns_no_checksum_is_named_as_such(tmp_path):
     push(a, LocalStore(dst), log=lambda s: None)
     problems = check_objects(NoChecksumStore(dst), read_manifest(a), jobs=1)
     assert [p.path for p in problems] == ["f0.bin"] and "returned no checksum" in problems[0].problem
+    # `verify --deep` does what that line says: it re-hashes the bytes, and so confirms them, or finds them changed
+    assert verify_store(NoChecksumStore(dst), deep=True) == []
+    (dst / "f0.bin").write_bytes(b"x" * 100)  # same size, other bytes
+    assert [p.problem for p in verify_store(NoChecksumStore(dst), deep=True)] == [
+        "content differs: re-hashed bytes do not match the manifest"]
 
 
 def test_of_two_writers_to_one_local_store_the_later_fails(tmp_path):
