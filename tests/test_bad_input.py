@@ -251,7 +251,7 @@ def test_delete_never_removes_another_artifacts_objects(cli, tmp_path, prefix, s
     cli("sync", "push", str(other), f"{prefix}/other", check=True)
     mine = small_artifact(tmp_path / "mine", names=("c.bin",))
     proc = cli("sync", "push", str(mine), prefix, "--delete")  # the prefix holds another run's artifact
-    assert proc.returncode == 1 and "no earlier manifest of this artifact" in proc.stderr
+    assert proc.returncode == 1 and "no earlier manifest of this prefix" in proc.stderr
     assert cli("verify", f"{prefix}/other", check=True).returncode == 0
 
 

@@ -36,6 +36,7 @@ from flashdraft.artifact.manifest import (
     list_data_files,
     parse_manifest,
     read_manifest,
+    shown,
     unsafe_path_reason,
     verify_dir,
     write_manifest,
@@ -94,9 +95,13 @@ class VerifyFailed(ExpectedFailure):
     problems: list[Problem] = field(default_factory=list)
 
     def __str__(self) -> str:
-        shown = "; ".join(str(p) for p in self.problems[:5])
-        more = f" (+{len(self.problems) - 5} more)" if len(self.problems) > 5 else ""
-        return f"{self.where}: {shown}{more}"
+        """One line: the problems grouped by what is wrong, each naming up to three of its paths."""
+        groups: dict[str, list[str]] = {}
+        for p in self.problems:
+            groups.setdefault(p.problem, []).append(shown(p.path))
+        parts = [", ".join(paths[:3]) + (f" and {len(paths) - 3} more" if len(paths) > 3 else "") + f": {problem}"
+                 for problem, paths in groups.items()]
+        return f"{self.where}: " + "; ".join(parts)
 
 
 # ---------------------------------------------------------------------------------------------- helpers
