@@ -26,6 +26,7 @@ from flashdraft import __version__
 from flashdraft.config import load_config
 from flashdraft.errors import ExpectedFailure
 from flashdraft.layout import DRAFTER, generate_dir, stage_dir, train_dir
+from flashdraft.preflight import generate_checks, require, train_checks
 from flashdraft.redact import redact
 
 
@@ -168,6 +169,7 @@ def generate(
     if not 0 <= cfg.generate.shard_index < cfg.generate.num_shards:
         fail(f"--shard-index must be in 0..{cfg.generate.num_shards - 1}")
     out = out or generate_dir(cfg.workdir, cfg.generate.shard_index, cfg.generate.num_shards)
+    require(generate_checks(cfg.generate, upload_to))  # prompts, endpoints or model, upload store: before any batch
     stats = stage.run(cfg.generate, out, upload_to=upload_to, console=err_console, log=human(json_out).print)
     if json_out:
         emit_json({"path": str(out), **stats})
@@ -254,6 +256,7 @@ def train(
     cfg = load_config(config, overrides)
     data = data or stage_dir(cfg.workdir, "tokenize")
     out = out or train_dir(cfg.workdir)
+    require(train_checks(cfg.train))  # target, devices, the --push-to store: before any compute
     stats = stage.run(cfg.train, data, out, require_checkpoint=resume, console=err_console, log=human(json_out).print)
     if json_out and stats:
         emit_json({"path": str(out / DRAFTER), **stats})
@@ -495,9 +498,11 @@ def run(
 ) -> None:
     """Run generate → tokenize → train → eval, skipping stages whose output verifies."""
     from flashdraft.pipeline import run_pipeline, selected
+    from flashdraft.preflight import pipeline_checks
 
     cfg = load_config(config_file, {"store": store})
     stages = selected(from_stage, until)
+    checks = pipeline_checks(cfg, stages)  # before any stage: a wrong store or endpoint is found now, not hours in
     if dry_run:
         from flashdraft.artifact.manifest import verify_dir
 
@@ -506,7 +511,13 @@ def run(
             problems = verify_dir(path)
             state = "verified (will be checked for lineage)" if not problems else f"to build ({problems[0]})"
             console.print(f"{stage}: {path} — {state}")
+        console.print("preflight:")
+        for check in checks:
+            console.print(f"  {check.line()}", soft_wrap=True)
+        if failed := [c for c in checks if not c.ok]:
+            fail(f"preflight: {len(failed)} of {len(checks)} checks failed; nothing was started")
         return
+    require(checks)
     run_pipeline(cfg, from_stage=from_stage, until=until, console=err_console, log=console.print)
 
 

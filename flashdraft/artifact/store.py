@@ -256,6 +256,7 @@ class S3Store:
             "s3", endpoint_url=self.endpoint, region_name=session.region_name or "us-east-1", config=config
         )
         creds = session.get_credentials()
+        self.has_credentials = creds is not None  # what preflight reports (a request would say "Unable to locate")
         frozen = creds.get_frozen_credentials() if creds else None
         self.redactor = SecretRedactor([frozen.access_key, frozen.secret_key, frozen.token or ""] if frozen else [])
 
@@ -267,7 +268,7 @@ class S3Store:
     def _call(self, what: str, fn: Callable, missing_ok: bool = False, **kwargs):
         """One S3 call; every failure becomes a StoreError naming what was tried (None for a missing key
         when `missing_ok`)."""
-        from botocore.exceptions import BotoCoreError, ClientError
+        from botocore.exceptions import BotoCoreError, ClientError, NoCredentialsError
 
         try:
             return fn(Bucket=self.bucket, **kwargs)
@@ -277,6 +278,9 @@ class S3Store:
                 return None
             message = e.response.get("Error", {}).get("Message", "")
             raise StoreError(self.redactor.redact(f"{what}: {code}: {message}")) from None
+        except NoCredentialsError:
+            raise StoreError(f"{what}: no credentials found in the AWS chain (AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY, "
+                             "AWS_PROFILE or --profile, ~/.aws/credentials, an instance role)") from None
         except BotoCoreError as e:
             where = self.endpoint or "the default S3 endpoint"
             raise StoreError(self.redactor.redact(f"{what}: cannot reach {where} after retries: {e}")) from None

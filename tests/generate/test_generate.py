@@ -247,13 +247,14 @@ def test_openai_backend_against_transformers_serve(cli, tmp_path, tiny_model_dir
         out = tmp_path / "gen"
         args = ["generate", "--prompts", src, "--out", str(out), "--backend", "openai", "--max-new-tokens", "8",
                 "--batch-size", "3", "--model", tiny_model_dir]  # named: a server that is down cannot say
-        # First against an endpoint that is down: nothing is done, and the rerun below retries every prompt.
-        quick = tmp_path / "quick.yaml"
-        quick.write_text("generate:\n  max_retries: 0\n  timeout_s: 5\n")
-        down = cli(*args, "--config", str(quick), "--base-url", f"http://127.0.0.1:{_free_port()}/v1")
-        assert down.returncode == 1 and "6 of 6 requests failed" in down.stderr and not (out / MANIFEST).exists()
+        # First against an endpoint that is down: preflight finds it in seconds and nothing is written; then one
+        # that serves another model.
+        dead = f"http://127.0.0.1:{_free_port()}/v1"
+        down = cli(*args, "--base-url", dead)
+        assert down.returncode == 1 and f"endpoint {dead}: does not answer" in down.stderr and not out.exists()
+        wrong = cli(*[a if a != tiny_model_dir else "no-such-model" for a in args], "--base-url", f"{url}/v1")
+        assert wrong.returncode == 1 and "does not serve 'no-such-model'" in wrong.stderr and not out.exists()
         proc = cli(*args, "--base-url", f"http://127.0.0.1:{port}/v1", "--json", check=True)
-        assert "2 with failed requests to retry" in proc.stderr
         stats = last_json(proc)
         assert stats["records"] == 6 and stats["errors"] == 0 and verify_dir(out) == []
         rows = records(out)

@@ -1,0 +1,334 @@
+"""Preflight: before a stage (or `run`) does any work, check in seconds what it will need (DESIGN §2b).
+
+    flashdraft run examples/qwen3-8b.yaml --until generate --dry-run   # the plan and every check; exit 1 if any fails
+    flashdraft run examples/qwen3-8b.yaml --until generate             # the same checks, then the work
+
+What is checked, each one line — `ok` with what was found, or the reason naming the URL or path (never a secret):
+- a **store**: credentials resolve through the AWS chain, the bucket answers, a write is permitted (a small probe
+  object put under the stage's own prefix and deleted again), and the prefix holds no artifact of another kind;
+  a local store: its directory can be created and written.
+- an OpenAI **endpoint**: `GET /v1/models` answers and lists the model the stage will ask for.
+- a **model** (target or tokenizer): the embedded one's package, a directory with `config.json` and a tokenizer,
+  a GGUF file, or a hub id already in the local cache — its config, never its weights.
+- **prompts**: the built-in set exists, or the file/directory is readable, with its count of lines.
+- **disk**: free space where the workdir lives against `flashdraft estimate`'s sizes.
+- **devices**: each CUDA device train is told to use exists.
+
+Checks only read, except the store's probe object, which lives under an internal name (`.flashdraft-preflight-…`)
+that no listing of an artifact shows, and is deleted at once.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import uuid
+from collections.abc import Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+from flashdraft.artifact.atomic import INTERNAL_PREFIX
+from flashdraft.config import EMBEDDED_TARGET, GenerateConfig, PipelineConfig, TrainConfig
+from flashdraft.errors import ExpectedFailure
+from flashdraft.redact import redact
+
+ENDPOINT_TIMEOUT_S = 5.0
+
+
+@dataclass(frozen=True)
+class Check:
+    what: str  # "store s3://bucket/run/generate", "endpoint http://gpu-a:8000/v1", …
+    ok: bool
+    detail: str  # what was found, or why it failed
+
+    def line(self) -> str:
+        return redact(f"{'ok  ' if self.ok else 'FAIL'} {self.what}: {self.detail}")
+
+
+class PreflightFailed(ExpectedFailure):
+    """A check before the work failed: nothing was started, nothing written."""
+
+
+def require(checks: list[Check]) -> None:
+    """Raise one line naming the first failed check (and how many others failed)."""
+    failed = [c for c in checks if not c.ok]
+    if failed:
+        more = f" (and {len(failed) - 1} more check(s) failed: `flashdraft run … --dry-run` lists them)" \
+            if len(failed) > 1 else ""
+        raise PreflightFailed(redact(f"preflight: {failed[0].what}: {failed[0].detail}{more}; nothing was started"))
+
+
+def guarded(what: str, check: Callable[[], str]) -> Check:
+    """Run one check; an expected failure (or any error reaching a server) becomes its failed line."""
+    try:
+        return Check(what, True, check())
+    except (ExpectedFailure, OSError, ValueError) as e:
+        return Check(what, False, str(e))
+
+
+# ---------------------------------------------------------------------------------------------- store
+
+
+def check_store(url: str, kind: str | None = None) -> Check:
+    """Credentials, bucket, a permitted write under `url`, and no artifact of another kind there."""
+    return guarded(f"store {url}", lambda: _store(url, kind))
+
+
+def _store(url: str, kind: str | None) -> str:
+    from flashdraft.artifact.manifest import MANIFEST, ManifestError, parse_manifest
+    from flashdraft.artifact.store import LocalStore, open_store
+
+    store = open_store(url)
+    if isinstance(store, LocalStore):
+        root = Path(store.root)
+        existing = next((p for p in [root, *root.parents] if p.exists()), None)
+        if existing is None or not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK):
+            raise ValueError(f"cannot create or write {root} (nearest existing: {existing})")
+        where = "writable directory"
+    else:
+        where = _s3_probe(store)
+    raw = store.read_bytes(MANIFEST)
+    if raw is not None and kind is not None:
+        try:
+            theirs = parse_manifest(raw).kind
+        except ManifestError as e:
+            raise ValueError(f"holds a manifest flashdraft cannot read ({e})") from None
+        if theirs != kind:
+            raise ValueError(f"holds a {theirs} artifact, not a {kind} one: the stage would be refused there")
+        return f"{where}; holds a {kind} artifact (checked for its lineage when the stage runs)"
+    return f"{where}; no artifact there yet" if raw is None else f"{where}; holds an artifact"
+
+
+def _s3_probe(store) -> str:
+    """Credentials, bucket and write permission of an S3 prefix: a probe object put (never over another) and
+    deleted. Each failure names what is missing, not a retry count."""
+    from botocore.exceptions import BotoCoreError, ClientError
+
+    if not store.has_credentials:
+        raise ValueError("no credentials found in the AWS chain (AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY, "
+                         "AWS_PROFILE or --profile, ~/.aws/credentials, an instance role)")
+    key = store.key(f"{INTERNAL_PREFIX}preflight-{uuid.uuid4().hex}")
+    try:
+        # A listing first: it names a missing bucket or a bad key in its error body (a HEAD of the bucket answers a
+        # bare 403 for both, and some stores create a missing bucket on a PUT). Then the probe write.
+        store.client.list_objects_v2(Bucket=store.bucket, Prefix=store.key(""), MaxKeys=1)
+        store.client.put_object(Bucket=store.bucket, Key=key, Body=b"preflight", IfNoneMatch="*")
+        store.client.delete_object(Bucket=store.bucket, Key=key)
+    except ClientError as e:
+        code = e.response.get("Error", {}).get("Code", "?")
+        why = {"404": f"bucket {store.bucket} does not exist", "NoSuchBucket": f"bucket {store.bucket} does not exist",
+               "403": "access denied (the credentials are not allowed to use this bucket)",
+               "AccessDenied": "access denied: the credentials may not write here",
+               "InvalidAccessKeyId": "the access key is not known to the store (check the credentials)",
+               "SignatureDoesNotMatch": "the secret key does not match the access key (check the credentials)",
+               }.get(code, f"{code}: {e.response.get('Error', {}).get('Message', '')}")
+        raise ValueError(store.redactor.redact(why)) from None
+    except BotoCoreError as e:
+        where = store.endpoint or "the default S3 endpoint"
+        raise ValueError(store.redactor.redact(f"cannot reach {where}: {e}")) from None
+    return f"credentials found, bucket {store.bucket} answers, a write is permitted (probe put and deleted)"
+
+
+# ---------------------------------------------------------------------------------------------- endpoints
+
+
+def check_endpoint(base_url: str, model: str | None) -> Check:
+    """`GET {base_url}/models` answers within seconds and lists `model` (None: any model will do)."""
+    return guarded(f"endpoint {base_url}", lambda: _endpoint(base_url, model))
+
+
+def _endpoint(base_url: str, model: str | None) -> str:
+    import json
+    import urllib.error
+    import urllib.request
+
+    request = urllib.request.Request(f"{base_url.rstrip('/')}/models")
+    if key := os.environ.get("OPENAI_API_KEY"):
+        request.add_header("Authorization", f"Bearer {key}")
+    try:
+        with urllib.request.urlopen(request, timeout=ENDPOINT_TIMEOUT_S) as response:
+            served = [m.get("id") for m in json.loads(response.read()).get("data", []) if isinstance(m, dict)]
+    except urllib.error.HTTPError as e:
+        raise ValueError(f"GET /models answered HTTP {e.code}" + (" (the API key is refused)" if e.code in (401, 403)
+                                                                  else "")) from None
+    except (urllib.error.URLError, TimeoutError, OSError) as e:
+        reason = getattr(e, "reason", e)
+        raise ValueError(f"does not answer within {ENDPOINT_TIMEOUT_S:.0f} s ({reason})") from None
+    except (ValueError, AttributeError):
+        raise ValueError("GET /models did not answer as an OpenAI-compatible server does") from None
+    if model is not None and model not in served:
+        raise ValueError(f"does not serve {model!r}; it serves {', '.join(map(repr, served[:5])) or 'nothing'}")
+    return f"serves {model!r}" if model else f"serves {', '.join(map(repr, served[:3]))}"
+
+
+# ---------------------------------------------------------------------------------------------- inputs
+
+
+def check_model(ref: str, role: str = "target") -> Check:
+    """The model is there to load — its config and tokenizer files, not its weights."""
+    return guarded(f"{role} {ref}", lambda: _model(ref))
+
+
+def _model(ref: str) -> str:
+    if ref == EMBEDDED_TARGET:
+        from flashdraft.model.resolve import embedded_gguf
+
+        return f"embedded SmolLM2-135M-Instruct ({embedded_gguf().name})"
+    path = Path(ref).expanduser()
+    if path.suffix == ".gguf":
+        if not path.is_file():
+            raise ValueError(f"no GGUF file at {path}")
+        return "GGUF file"
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise ValueError(f"{path} has no config.json: not a model directory")
+        tokenizers = [n for n in ("tokenizer.json", "tokenizer.model", "vocab.json") if (path / n).is_file()]
+        return f"model directory (config.json{', ' + tokenizers[0] if tokenizers else ', no tokenizer files'})"
+    if path.is_absolute() or ref.startswith((".", "~")) or ref.count("/") > 1:
+        raise ValueError("not a directory, GGUF file or hub id")
+    from huggingface_hub import try_to_load_from_cache
+
+    if isinstance(try_to_load_from_cache(ref, "config.json"), str):
+        return "hub id, config in the local cache"
+    if os.environ.get("HF_HUB_OFFLINE") == "1":
+        raise ValueError("a hub id not in the local cache, and HF_HUB_OFFLINE=1")
+    from huggingface_hub import HfApi
+
+    try:
+        HfApi().model_info(ref, timeout=ENDPOINT_TIMEOUT_S)
+    except Exception as e:  # the hub's own errors (not found, gated, unreachable) are many classes
+        raise ValueError(f"a hub id that is not in the local cache and not reachable ({type(e).__name__})") from None
+    return "hub id, found on the hub"
+
+
+def check_prompts(source: str) -> Check:
+    return guarded(f"prompts {source}", lambda: _prompts(source))
+
+
+def _prompts(source: str) -> str:
+    from flashdraft.generate.prompts import BUILTIN, builtin_prompts
+
+    if source.startswith(BUILTIN):
+        return f"{len(builtin_prompts(source[len(BUILTIN):]))} built-in prompts"
+    path = Path(source)
+    if path.is_dir():
+        return "a save_to_disk directory"
+    if not path.is_file() or not os.access(path, os.R_OK):
+        raise ValueError("no readable file there")
+    if path.suffix == ".parquet":
+        import pyarrow.parquet as pq
+
+        return f"{pq.ParquetFile(path).metadata.num_rows:,} rows"
+    with open(path, "rb") as f:
+        lines = sum(chunk.count(b"\n") for chunk in iter(lambda: f.read(1 << 20), b""))
+    return f"{lines:,} lines"
+
+
+def check_disk(where: str | Path, need_bytes: int) -> Check:
+    def disk() -> str:
+        existing = next(p for p in [Path(where).absolute(), *Path(where).absolute().parents] if p.exists())
+        free = shutil.disk_usage(existing).free
+        if free < need_bytes:
+            raise ValueError(f"{free / 1e9:.1f} GB free, the estimate needs {need_bytes / 1e9:.1f} GB")
+        return f"{free / 1e9:.1f} GB free, the estimate needs {need_bytes / 1e9:.1f} GB"
+
+    return guarded(f"disk at {where}", disk)
+
+
+def check_devices(devices: Iterable[str | None], role: str) -> list[Check]:
+    """Each CUDA device named (`cuda:0`, `cuda:0,cuda:1`, `cuda:0;cuda:1`) exists here."""
+    named = sorted({d.strip() for spec in devices if spec for d in spec.replace(";", ",").split(",") if d.strip()})
+    checks = []
+    for device in named:
+        def one(device=device) -> str:
+            if not device.startswith("cuda"):
+                return "CPU" if device == "cpu" else device
+            import torch
+
+            count = torch.cuda.device_count()
+            index = int(device.partition(":")[2] or 0)
+            if index >= count:
+                raise ValueError(f"this machine has {count} CUDA device(s)")
+            return torch.cuda.get_device_name(index)
+
+        checks.append(guarded(f"{role} device {device}", one))
+    return checks
+
+
+# ---------------------------------------------------------------------------------------------- the pipeline
+
+
+STAGE_KINDS = {"generate": "completions", "tokenize": "dataset", "train": "drafter", "eval": "eval"}
+
+
+def generate_checks(g: GenerateConfig, upload_to: str | None = None) -> list[Check]:
+    """The prompts, and the endpoints (openai backend, asked at once) or the model (hf); the upload store."""
+    checks = [check_prompts(g.prompts)]
+    if g.backend == "openai":
+        if not g.base_urls:
+            checks.append(Check("generate endpoints", False, "the openai backend needs at least one --base-url"))
+        model = g.model if g.model != EMBEDDED_TARGET else None
+        with ThreadPoolExecutor(max_workers=max(1, min(16, len(g.base_urls)))) as pool:
+            checks += list(pool.map(lambda url: check_endpoint(url, model), g.base_urls))
+    elif g.backend == "hf":
+        checks.append(check_model(g.model, "generate model"))
+    if upload_to:
+        checks.append(check_store(upload_to, STAGE_KINDS["generate"]))
+    return checks
+
+
+def train_checks(tr: TrainConfig) -> list[Check]:
+    """The target, an imported drafter, the devices, and the store checkpoints are pushed to."""
+    checks = [check_model(tr.target, "train target")]
+    if tr.init_from:
+        checks.append(guarded(f"--init-from {tr.init_from}", lambda: _drafter(tr.init_from)))
+    checks += check_devices([tr.device, tr.target_device], "train")
+    if tr.push_to:
+        checks.append(check_store(tr.push_to))
+    return checks
+
+
+def pipeline_checks(cfg: PipelineConfig, stages: list[str]) -> list[Check]:
+    """Everything the selected stages will need, checked now: what `run` checks before its first stage."""
+    from flashdraft.layout import generate_parts, join, stage_url, train_url
+
+    g, checks = cfg.generate, []
+    if cfg.store:
+        for stage in stages:
+            url = join(cfg.store, generate_parts(g.num_shards)[g.shard_index]) if stage == "generate" and \
+                g.num_shards > 1 else stage_url(cfg.store, stage)
+            checks.append(check_store(url, STAGE_KINDS[stage]))
+    if "generate" in stages:
+        checks += generate_checks(g)
+    if "tokenize" in stages:
+        checks.append(check_model(cfg.tokenize.tokenizer, "tokenizer"))
+    if "train" in stages:
+        push_to = cfg.train.push_to or (train_url(cfg.store) if cfg.store else None)
+        checks += train_checks(cfg.train.model_copy(update={"push_to": push_to}))
+    if "eval" in stages:
+        checks.append(check_model(cfg.eval.target, "eval target"))
+        checks.append(check_prompts(cfg.eval.prompts))
+    checks.append(_disk_for(cfg, stages))
+    return checks
+
+
+def _drafter(path: str) -> str:
+    if not (Path(path) / "config.json").is_file():
+        raise ValueError("no drafter there (config.json)")
+    return "drafter directory"
+
+
+def _disk_for(cfg: PipelineConfig, stages: list[str]) -> Check:
+    """Free disk against the estimate's sizes of what the selected stages write; an estimate that cannot be
+    made here (the target's config elsewhere) is said, not failed."""
+    from flashdraft.estimate import estimate
+
+    try:
+        est = estimate(cfg)
+    except ExpectedFailure as e:
+        return Check(f"disk at {cfg.workdir}", True, f"not estimated here ({e})")
+    train = est["checkpoints_bytes"] + est["drafter_bytes"] + (
+        est["offline_features_bytes"] if cfg.train.features == "offline" else 0)
+    sizes = {"generate": est["completions_bytes"], "tokenize": est["dataset_bytes"], "train": train}
+    return check_disk(cfg.workdir, sum(sizes.get(stage, 0) for stage in stages))
