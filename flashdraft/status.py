@@ -1,6 +1,11 @@
 """`flashdraft status`: each stage's artifact as it is now — verified or not, why, key stats — locally and
 in the store. Everything is checked at call time; nothing is taken from what a stage once printed.
 
+A local artifact that is not there yet is told apart from the outputs alone: **running** (a live process holds its
+lock: which program, pid, host, since when), **interrupted** (partial output, nobody holds the lock: a killed run,
+which the same command resumes), or **not started**. A generate in progress shows its committed batches of the
+total, a train its newest checkpoint and step of the total, each with a rate and an ETA from when that run started.
+
     flashdraft status --config examples/qwen3-8b.yaml --store s3://bucket/run1 [--json]
 """
 
@@ -12,7 +17,7 @@ from typing import Any
 from rich.table import Table
 
 from flashdraft.config import PipelineConfig
-from flashdraft.layout import STAGES, generate_parts, join, stage_dir, stage_url
+from flashdraft.layout import STAGES, generate_parts, join, stage_dir, stage_url, train_dir
 
 KEY_STATS = {
     "generate": ("records", "errors", "truncated"),
@@ -41,6 +46,10 @@ def pipeline_status(cfg: PipelineConfig, store: str | None = None) -> list[dict[
             "reason": str(problems[0]) if problems else "manifest verifies (every file re-hashed)",
             "stats": {k: stats[k] for k in KEY_STATS[stage] if k in stats},
         }
+        if problems:
+            row["progress"] = work_in_progress(stage, path, cfg)
+            if row["progress"]["state"] != "built, does not verify":
+                row["reason"] = describe_progress(row["progress"])
         rows.append(row)
         if store:
             from flashdraft.artifact.store import open_store
@@ -49,10 +58,105 @@ def pipeline_status(cfg: PipelineConfig, store: str | None = None) -> list[dict[
             remote = stage_url(store, stage) if part is None else join(store, part)
             remote_problems = verify_store(open_store(remote))
             reason = str(remote_problems[0]) if remote_problems else "listing and checksums match"
-            rows.append(
-                {**row, "where": "store", "artifact": remote, "verified": not remote_problems, "reason": reason}
-            )
+            rows.append({**{k: v for k, v in row.items() if k != "progress"}, "where": "store", "artifact": remote,
+                         "verified": not remote_problems, "reason": reason})
     return [redacted(row) for row in rows]
+
+
+def work_in_progress(stage: str, path: Path, cfg: PipelineConfig) -> dict[str, Any]:
+    """What a stage's output that does not verify is: running, interrupted, not started, or built but broken;
+    with how far it got (generate: batches, train: steps and its newest checkpoint), a rate and an ETA."""
+    from flashdraft.artifact.manifest import MANIFEST
+    from flashdraft.artifact.ownership import lock_holder, read_marker
+
+    out = train_dir(cfg.workdir) if stage == "train" else path  # train locks its whole --out
+    holder = lock_holder(out)
+    marker = read_marker(out) if out.is_dir() else {}
+    info: dict[str, Any] = {}
+    if stage == "generate" and marker.get("batches"):
+        done = sum(1 for f in path.glob("batch-*.jsonl") if not f.name.endswith(".errors.jsonl"))
+        info = {"done": done, "total": marker["batches"], "unit": "batches",
+                "at_start": marker.get("committed_at_start", 0), "started": marker.get("started")}
+    elif stage == "train" and marker.get("total_steps"):
+        from flashdraft.train.checkpoint import checkpoint_dirs
+
+        newest = next(iter(checkpoint_dirs(out)), None)
+        info = {"done": last_logged_step(out / "metrics.jsonl"), "total": marker["total_steps"], "unit": "steps",
+                "at_start": marker.get("start_step", 0), "started": marker.get("started"),
+                "checkpoint": newest.name if newest is not None else None}
+    if holder is not None:
+        state = "running"
+    elif (path / MANIFEST).exists():
+        state = "built, does not verify"
+    elif info or (out.is_dir() and any(out.iterdir())):
+        state = "interrupted"
+    else:
+        state = "not started"
+    progress = {"state": state, **info}
+    if holder:
+        progress["holder"] = {k: holder.get(k) for k in ("program", "pid", "host", "since")}
+    if state == "running" and info.get("started"):
+        progress.update(rate_and_eta(info))
+    return progress
+
+
+def last_logged_step(metrics: Path) -> int:
+    """The step of metrics.jsonl's last complete training line (0 when there is none)."""
+    import json
+
+    try:
+        lines = metrics.read_text(errors="replace").split("\n")[:-1]
+    except OSError:
+        return 0
+    for line in reversed(lines):
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(record, dict) and isinstance(record.get("step"), int):
+            return record["step"]
+    return 0
+
+
+def rate_and_eta(info: dict[str, Any]) -> dict[str, Any]:
+    """Units a minute since this run started, and the seconds left at that rate (none before the first unit)."""
+    from datetime import UTC, datetime
+
+    try:
+        elapsed = (datetime.now(UTC) - datetime.fromisoformat(info["started"])).total_seconds()
+    except (TypeError, ValueError):
+        return {}
+    made = info["done"] - info.get("at_start", 0)
+    if made <= 0 or elapsed <= 0:
+        return {}
+    per_s = made / elapsed
+    return {"rate_per_min": round(per_s * 60, 2), "eta_s": round(max(0, info["total"] - info["done"]) / per_s)}
+
+
+def describe_progress(p: dict[str, Any]) -> str:
+    """One phrase: `running — flashdraft generate (pid 12 on gpu-a, since …): 3 of 53 batches, 1.2 a minute,
+    ETA 41 min`, `interrupted: 3 of 53 batches committed; rerun the same command to resume`, `not started`."""
+    how_far = f"{p['done']} of {p['total']} {p['unit']}" if "total" in p else ""
+    if p.get("checkpoint"):
+        how_far += f", newest checkpoint {p['checkpoint']}"
+    elif p.get("unit") == "steps":
+        how_far += ", no checkpoint yet"
+    if p["state"] == "running":
+        h = p.get("holder") or {}
+        who = (f"{h.get('program', '?')} (pid {h.get('pid', '?')} on {h.get('host', '?')}, since {h.get('since', '?')})"
+               if h else "a process (it has not named itself yet)")
+        pace = (f", {p['rate_per_min']:g} {p['unit']} a minute, ETA {_duration(p['eta_s'])}"
+                if "eta_s" in p else "")
+        return f"running — {who}" + (f": {how_far}{pace}" if how_far else "")
+    if p["state"] == "interrupted":
+        return "interrupted" + (f": {how_far}" if how_far else ": partial output") + \
+            " — no process holds its lock; rerun the same command to resume"
+    return "not started"
+
+
+def _duration(seconds: float) -> str:
+    minutes = seconds / 60
+    return f"{minutes:.0f} min" if minutes < 90 else f"{minutes / 60:.1f} h"
 
 
 def redacted(row: dict[str, Any]) -> dict[str, Any]:

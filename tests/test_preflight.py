@@ -109,3 +109,69 @@ def test_every_shipped_example_config_plans(tmp_path, example):
     assert proc.returncode in (0, 1) and "preflight:" in proc.stdout
     assert all(line.strip().startswith(("ok ", "FAIL ")) for line in proc.stdout.split("preflight:")[1].splitlines()
                if line.strip())
+
+
+# ---------------------------------------------------------------------------------------------- status
+
+
+def wait_for(condition, timeout: float = 180) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.2)
+
+
+def stage_row(workdir_config: Path, stage: str) -> dict:
+    import json
+
+    proc = subprocess.run([*FLASHDRAFT, "status", "--config", str(workdir_config), "--json"], capture_output=True,
+                          text=True, timeout=120)
+    return next(r for r in json.loads(proc.stdout)["stages"] if r["stage"] == stage and r["where"] == "local")
+
+
+@pytest.mark.slow
+def test_status_shows_a_killed_generate_and_a_running_train_as_what_they_are(tmp_path, tiny_target, tiny_dataset):
+    import shutil
+    import signal
+
+    work = tmp_path / "work"
+    cfg = tmp_path / "status.yaml"
+    cfg.write_text(yaml.safe_dump({"workdir": str(work)}))
+    assert stage_row(cfg, "generate")["progress"]["state"] == "not started"
+
+    gen = subprocess.Popen([*FLASHDRAFT, "generate", "--prompts", "builtin:demo", "--out", str(work / "generate"),
+                            "--batch-size", "8", "--max-new-tokens", "2"], stdout=subprocess.DEVNULL,
+                           stderr=subprocess.DEVNULL)
+    try:
+        wait_for(lambda: len(list((work / "generate").glob("batch-*.jsonl"))) >= 2)
+        running = stage_row(cfg, "generate")["progress"]
+        assert running["state"] == "running" and running["holder"]["pid"] == gen.pid
+        assert running["holder"]["program"] == "flashdraft generate" and running["total"] == 51
+    finally:
+        gen.send_signal(signal.SIGKILL)
+        gen.wait()
+    row = stage_row(cfg, "generate")
+    progress = row["progress"]
+    assert progress["state"] == "interrupted" and "holder" not in progress and 2 <= progress["done"] < 51
+    assert row["reason"].startswith(f"interrupted: {progress['done']} of 51 batches") and "rerun" in row["reason"]
+
+    shutil.copytree(tiny_dataset, work / "dataset")
+    train_cfg = tmp_path / "train.yaml"
+    train_cfg.write_text(yaml.safe_dump({"workdir": str(work), "train": {
+        "target": tiny_target, "num_layers": 1, "block_size": 8, "max_anchors": 8, "mask_token_id": 127,
+        "batch_size": 2, "max_steps": 100000, "checkpoint_every": 3, "eval_samples": 1}}))
+    train = subprocess.Popen([*FLASHDRAFT, "train", "--config", str(train_cfg)], stdout=subprocess.DEVNULL,
+                             stderr=subprocess.DEVNULL)
+    try:
+        wait_for(lambda: (work / "train" / "checkpoints").is_dir() and
+                 any((work / "train" / "checkpoints").glob("step-*/manifest.json")))
+        time.sleep(1)
+        row = stage_row(cfg, "train")
+        progress = row["progress"]
+        assert progress["state"] == "running" and progress["holder"]["pid"] == train.pid
+        assert progress["total"] == 100000 and progress["done"] >= 3 and progress["checkpoint"].startswith("step-")
+        assert progress["rate_per_min"] > 0 and progress["eta_s"] > 0 and "ETA" in row["reason"]
+    finally:
+        train.send_signal(signal.SIGKILL)
+        train.wait()
+    assert stage_row(cfg, "train")["progress"]["state"] == "interrupted"

@@ -254,6 +254,31 @@ def _open_lock_file(path: Path) -> int:
         return fd
 
 
+def lock_holder(out: str | Path) -> dict[str, Any] | None:
+    """Who holds `out`'s lock now (its holder record; {} if it has not written one yet), or None when no live
+    process does — a killed run's lock file is no holder. Only reads: the file is neither created nor changed."""
+    path = lock_path(Path(out))
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+    except OSError:  # none there (never started, or finished), or not a lock file
+        return None
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:  # held
+            try:
+                record = json.loads(os.pread(fd, 4096, 0))
+            except ValueError:
+                record = {}
+            return record if isinstance(record, dict) else {}
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        return None
+    finally:
+        os.close(fd)
+
+
 @contextmanager
 def output_lock(out: str | Path, wait: bool = False) -> Iterator[None]:
     """Hold the advisory lock of `out` for the block; raise OutputLocked at once if another process holds it, or

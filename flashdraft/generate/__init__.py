@@ -71,6 +71,12 @@ class OutputInUse(ExpectedFailure):
     """--out already holds output of a different run; mixing the two would corrupt both."""
 
 
+def now_iso() -> str:
+    from datetime import UTC, datetime
+
+    return datetime.now(UTC).isoformat(timespec="seconds")
+
+
 def batch_name(index: int) -> str:
     return f"batch-{index:06d}.jsonl"
 
@@ -195,6 +201,9 @@ def _run_locked(cfg: GenerateConfig, out: Path, upload_to: str | None, console, 
                        f"(reasons in {out / 'rejected.jsonl'}); nothing to generate")
     todo = {k: missing for k in range(len(batches)) if (missing := uncommitted(out, k, batches[k]))}
     retried = sum(1 for k in todo if (out / batch_name(k)).is_file())
+    # What `flashdraft status` reads of a run in progress: how many batches, how many there were at this start.
+    mark_output(out, "completions", lineage=lineage.model_dump(), batches=len(batches),
+                committed_at_start=len(batches) - len(todo), started=now_iso())
     log(
         f"generate: {sum(map(len, batches))} prompts (shard {cfg.shard_index}/{cfg.num_shards}), {len(batches)} "
         f"batches, {len(batches) - len(todo)} already committed, {retried} with failed requests to retry; "

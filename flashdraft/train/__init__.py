@@ -44,7 +44,7 @@ from flashdraft.artifact.manifest import (
     require_verified,
     sha256_json,
 )
-from flashdraft.artifact.ownership import adopt, claim_output, output_lock, refuse_overlap
+from flashdraft.artifact.ownership import adopt, claim_output, mark_output, output_lock, refuse_overlap
 from flashdraft.config import TrainConfig
 from flashdraft.errors import ExpectedFailure
 from flashdraft.layout import CHECKPOINTS, DRAFTER
@@ -170,6 +170,11 @@ def _run(cfg: TrainConfig, data: Path, out: Path, require_checkpoint: bool, cons
         say(f"train: resuming from {resume.name} (step {position['step']}, epoch {position['epoch']})")
     if where.rank == 0:
         truncate_metrics(out / "metrics.jsonl", position["step"])
+        # What `flashdraft status` reads of a run in progress: its length, and where this start began.
+        from datetime import UTC, datetime
+
+        mark_output(out, "train", total_steps=s.total_steps, start_step=position["step"],
+                    started=datetime.now(UTC).isoformat(timespec="seconds"))
     say(f"train: {len(s.train_ids)} training / {len(s.heldout_ids)} held-out samples, {where.world} process(es), "
         f"{s.total_steps} steps, drafter {sum(p.numel() for p in s.drafter.parameters()) / 1e6:.1f}M params, "
         f"mask token {s.drafter.mask_token_id}, target layers {s.drafter.target_layer_ids}")
