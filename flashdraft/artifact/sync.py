@@ -229,11 +229,17 @@ def push(
     most one ends "verified", and a push that said "verified" is not overwritten by the other afterwards."""
     if getattr(store, "prefix", None) == "":
         raise StoreError(f"refusing to push to the bucket root {store.url}: name a prefix (e.g. {store.url}/run1/data)")
-    if isinstance(store, LocalStore):
-        refuse_overlap(store.root, [src])
-        with output_lock(store.root):
-            return _push(Path(src), store, delete, jobs, part_size, force, console, log)
-    return _push(Path(src), store, delete, jobs, part_size, force, console, log)
+    described_here = Path(src).is_dir() and not (Path(src) / MANIFEST).exists()
+    try:
+        if isinstance(store, LocalStore):
+            refuse_overlap(store.root, [src])
+            with output_lock(store.root):
+                return _push(Path(src), store, delete, jobs, part_size, force, console, log)
+        return _push(Path(src), store, delete, jobs, part_size, force, console, log)
+    except BaseException:
+        if described_here:  # a plain directory is left as it was found: no manifest from a push that failed
+            (Path(src) / MANIFEST).unlink(missing_ok=True)
+        raise
 
 
 def _push(src: Path, store, delete: bool, jobs: int, part_size: int | None, force: bool, console,
