@@ -51,7 +51,13 @@ def fail(message: str, code: int = 1) -> NoReturn:
 
 
 class App(typer.Typer):
-    """Every command's expected failures become one `error:` line and exit 1; other exceptions stay bugs."""
+    """Every command's expected failures become one `error:` line and exit 1; other exceptions stay bugs. Every
+    stage option's help shows its effective default, read from the config schema (where the defaults live)."""
+
+    def __call__(self, *args, **kwargs):
+        command = typer.main.get_command(self)
+        show_config_defaults(command)
+        return command(*args, **kwargs)
 
     def command(self, *args, **kwargs):
         register = super().command(*args, **kwargs)
@@ -70,6 +76,36 @@ class App(typer.Typer):
             return fn
 
         return decorator
+
+
+# A stage command's options that set its config section under another name than the option's.
+OPTION_KEYS = {"base_url": "base_urls"}
+
+
+def show_config_defaults(command) -> None:
+    """Append `(default: …)` to the help of each stage command's options, from the config schema's defaults (the
+    options themselves default to None, meaning "from --config, else the schema")."""
+    from flashdraft.config import PipelineConfig
+
+    defaults = PipelineConfig()
+    for name, sub in getattr(command, "commands", {}).items():
+        section = getattr(defaults, name, None) if name in ("generate", "tokenize", "train", "eval") else None
+        if section is None:
+            continue
+        for param in sub.params:
+            key = OPTION_KEYS.get(param.name, param.name)
+            if (name, key) == ("generate", "prompts"):
+                param.help += " (required, or generate.prompts in --config)"
+            elif key in type(section).model_fields and param.help and "(default:" not in param.help:
+                param.help += f" (default: {shown_default(getattr(section, key))})"  # () not []: rich markup
+
+
+def shown_default(value) -> str:
+    if value is None or value == []:
+        return "none"
+    if isinstance(value, bool):
+        return "on" if value else "off"
+    return ", ".join(map(str, value)) if isinstance(value, list) else str(value)
 
 
 app = App(
@@ -166,6 +202,9 @@ def generate(
         "generate.num_shards": num_shards,
     }
     cfg = load_config(config, overrides)
+    if "prompts" not in cfg.generate.model_fields_set:  # no silent 404 built-in prompts: `run`/`demo` keep those
+        fail("--prompts is required (a JSONL / Parquet file, a save_to_disk directory, or builtin:NAME), or "
+             "generate.prompts in --config", code=2)
     if not 0 <= cfg.generate.shard_index < cfg.generate.num_shards:
         fail(f"--shard-index must be in 0..{cfg.generate.num_shards - 1}")
     out = out or generate_dir(cfg.workdir, cfg.generate.shard_index, cfg.generate.num_shards)

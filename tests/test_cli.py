@@ -150,3 +150,17 @@ def test_run_reports_config_errors_with_file_and_line(cli, tmp_path):
     proc = cli("run", str(cfg))
     assert proc.returncode == 1
     assert f"{cfg}:3: train.learning_rate: unknown key" in proc.stderr
+
+
+def test_stage_help_shows_each_options_effective_default_and_generate_needs_prompts(cli, tmp_path):
+    from flashdraft.config import PipelineConfig
+
+    defaults = PipelineConfig()
+    wide = dict(os.environ, COLUMNS="400")  # one option a line, so a default never wraps
+    shown = " ".join(cli("generate", "--help", check=True, env=wide).stdout.split())
+    assert "(default: hf)" in shown and f"(default: {defaults.generate.max_new_tokens})" in shown
+    assert "(required, or generate.prompts in --config)" in shown
+    shown = " ".join(cli("train", "--help", check=True, env=wide).stdout.split())
+    assert f"Passes over the data. (default: {defaults.train.epochs})" in shown
+    proc = cli("generate", "--out", str(tmp_path / "gen"))  # no silent 404 built-in prompts into a default dir
+    assert proc.returncode == 2 and "--prompts is required" in proc.stderr and not (tmp_path / "gen").exists()
