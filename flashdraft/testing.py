@@ -131,6 +131,53 @@ def transformers_serve(model: str, log: Path, timeout: float = 180) -> Iterator[
             os.killpg(server.pid, signal.SIGKILL)
 
 
+@contextmanager
+def failing_endpoint(model: str, completions: str = "drop") -> Iterator[str]:
+    """An OpenAI-compatible endpoint on loopback that lists `model` (so preflight passes) and fails every chat
+    completion the way a sick server does: "drop" closes the connection unanswered, "hang" holds it and never
+    answers, "echo-key" answers 400 with the request's Authorization header in its body (as some proxies do).
+    Yields the base URL (…/v1)."""
+    import json
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    stop = threading.Event()
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802 (http.server's name)
+            body = json.dumps({"object": "list", "data": [{"id": model, "object": "model"}]}).encode()
+            self._answer(200, body)
+
+        def do_POST(self):  # noqa: N802
+            self.rfile.read(int(self.headers.get("Content-Length", 0)))
+            if completions == "hang":
+                stop.wait(120)
+            elif completions == "echo-key":
+                self._answer(400, json.dumps({"error": {"message": f"bad key: {self.headers.get('Authorization')}"}})
+                             .encode())
+            self.close_connection = True
+
+        def _answer(self, code: int, body: bytes) -> None:
+            self.send_response(code)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    server.daemon_threads = True
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        yield f"http://127.0.0.1:{server.server_port}/v1"
+    finally:
+        stop.set()
+        server.shutdown()
+        server.server_close()
+
+
 class TcpForwarder:
     """A loopback TCP port that forwards to `target_port`, counting the bytes clients send.
 

@@ -355,7 +355,7 @@ def test_out_that_is_a_file_is_one_line(cli, tmp_path):
 def test_a_missing_model_path_is_named(cli, tmp_path):
     src = write_prompts(tmp_path / "p.jsonl", ['{"prompt": "Hi"}'])
     failed_cleanly(cli("generate", "--prompts", src, "--out", str(tmp_path / "g"), "--model", "/no/such/model"),
-                   "model not found: /no/such/model")
+                   "generate model /no/such/model: not a directory, GGUF file or hub id")
 
 
 def test_show_on_something_that_is_not_a_dataset(cli, tmp_path, tiny_model_dir):
@@ -381,26 +381,23 @@ def test_exported_files_have_the_mode_the_umask_gives(finished):
 
 
 def test_a_server_that_never_answers_shows_its_retries_and_fails_within_the_timeout(cli, tmp_path):
-    listener = socket.socket()  # accepts connections (the kernel's backlog) but never says a word
-    listener.bind(("127.0.0.1", 0))
-    listener.listen(16)
-    try:
+    from flashdraft.testing import failing_endpoint
+
+    with failing_endpoint("m", "hang") as url:  # lists its model (preflight passes), then never answers a request
         config = write_config(tmp_path, generate={"max_retries": 1, "timeout_s": 1})
         src = write_prompts(tmp_path / "p.jsonl", ['{"prompt": "Hi"}'])
         proc = cli("generate", "--prompts", src, "--out", str(tmp_path / "g"), "--backend", "openai", "--model", "m",
-                   "--base-url", f"http://127.0.0.1:{listener.getsockname()[1]}/v1", "--config", str(config))
-    finally:
-        listener.close()
+                   "--base-url", url, "--config", str(config))
     failed_cleanly(proc, "1 of 1 requests failed", "Timeout")
     assert "request retries so far" in proc.stdout
 
 
-def test_asking_a_down_server_for_its_model_is_one_line(cli, tmp_path):
+def test_a_down_server_is_one_line_before_anything_is_written(cli, tmp_path):
     src = write_prompts(tmp_path / "p.jsonl", ['{"prompt": "Hi"}'])
-    config = write_config(tmp_path, generate={"max_retries": 0, "timeout_s": 2})
+    dead = f"http://127.0.0.1:{closed_port()}/v1"
     failed_cleanly(cli("generate", "--prompts", src, "--out", str(tmp_path / "g"), "--backend", "openai",
-                       "--base-url", f"http://127.0.0.1:{closed_port()}/v1", "--config", str(config)),
-                   "which model it serves", "pass --model")
+                       "--base-url", dead), f"endpoint {dead}: does not answer", "nothing was started")
+    assert not (tmp_path / "g").exists()
 
 
 def test_a_server_that_dies_during_a_multipart_upload_is_one_error_naming_the_upload(tmp_path, s3env, monkeypatch):

@@ -85,6 +85,8 @@ def test_a_checkpoint_planted_in_the_store_never_runs_code(cli, tmp_path, tiny_t
         torch.save({"optimizer": Payload(marker), "scheduler": {}}, planted / "optimizer.pt")
         if drop_state:
             (planted / "optimizer.safetensors").unlink()
+        position = json.loads((planted / "position.json").read_text())  # the step its new name says
+        (planted / "position.json").write_text(json.dumps({**position, "step": 9}))
         (planted / MANIFEST).unlink()
         write_manifest(planted, build_manifest(planted, kind="checkpoint", stats=read_manifest(real).stats,
                                                lineage=read_manifest(real).lineage))

@@ -124,25 +124,27 @@ def test_sigkill_then_rerun_ends_with_exactly_one_record_per_prompt(cli, tmp_pat
 def test_failed_requests_are_not_done_and_a_rerun_retries_them(cli, tmp_path):
     """The endpoint is down: every request fails. That is not "done": exit 1, no manifest, the failures in
     errors.jsonl; a rerun retries them; only an explicit tolerance lets an artifact with errors count as done."""
-    port = _free_port()
-    config = tmp_path / "c.yaml"
-    config.write_text("generate:\n  max_retries: 0\n  timeout_s: 5\n")
-    src = prompts_file(tmp_path / "p.jsonl", 3)
-    out = tmp_path / "gen"
-    args = ["generate", "--config", str(config), "--prompts", src, "--out", str(out), "--backend", "openai",
-            "--model", "m", "--base-url", f"http://127.0.0.1:{port}/v1"]
-    proc = cli(*args)
-    assert proc.returncode == 1 and "3 of 3 requests failed" in proc.stderr and "Traceback" not in proc.stderr
-    assert "done, verified" not in proc.stdout + proc.stderr and not (out / MANIFEST).exists()
-    errors = [json.loads(line) for line in (out / "errors.jsonl").read_text().splitlines()]
-    assert len(errors) == 3 and all("Connection" in e["reason"] for e in errors)
+    from flashdraft.testing import failing_endpoint
 
-    again = cli(*args)  # still down: the three are retried (not skipped as committed), and fail again
-    assert again.returncode == 1 and "1 with failed requests to retry" in again.stdout
-    assert len((out / "errors.jsonl").read_text().splitlines()) == 3
+    with failing_endpoint("m", "drop") as url:  # lists its model, then drops every request unanswered
+        config = tmp_path / "c.yaml"
+        config.write_text("generate:\n  max_retries: 0\n  timeout_s: 5\n")
+        src = prompts_file(tmp_path / "p.jsonl", 3)
+        out = tmp_path / "gen"
+        args = ["generate", "--config", str(config), "--prompts", src, "--out", str(out), "--backend", "openai",
+                "--model", "m", "--base-url", url]
+        proc = cli(*args)
+        assert proc.returncode == 1 and "3 of 3 requests failed" in proc.stderr and "Traceback" not in proc.stderr
+        assert "done, verified" not in proc.stdout + proc.stderr and not (out / MANIFEST).exists()
+        errors = [json.loads(line) for line in (out / "errors.jsonl").read_text().splitlines()]
+        assert len(errors) == 3 and all("Connection" in e["reason"] for e in errors)
 
-    config.write_text("generate:\n  max_retries: 0\n  timeout_s: 5\n  max_error_fraction: 1.0\n")
-    stats = last_json(cli(*args, "--json", check=True))  # a stated tolerance: done, with the errors counted
+        again = cli(*args)  # still down: the three are retried (not skipped as committed), and fail again
+        assert again.returncode == 1 and "1 with failed requests to retry" in again.stdout
+        assert len((out / "errors.jsonl").read_text().splitlines()) == 3
+
+        config.write_text("generate:\n  max_retries: 0\n  timeout_s: 5\n  max_error_fraction: 1.0\n")
+        stats = last_json(cli(*args, "--json", check=True))  # a stated tolerance: done, with the errors counted
     assert stats["records"] == 0 and stats["errors"] == 3 and verify_dir(out) == []
 
 
