@@ -30,6 +30,14 @@ RECORD_OVERHEAD_BYTES = 400  # ids, finish reason, sampling settings of one comp
 # (measured, benchmarks/RESULTS.md), and a typical vLLM/SGLang endpoint serving an 8B-class model on one GPU.
 DEFAULT_TOKENS_PER_S = {"hf": 100.0, "openai": 2000.0, "vllm": 2000.0}
 CHECKPOINT_BYTES_PER_PARAM = 12  # fp32 weights + AdamW's two fp32 moments
+# The training step `flashdraft train` was measured at on one H200 (issue 47): 1.18 s for 4 sequences, online features,
+# a 1.05B-parameter drafter of a Qwen3-8B-shaped target (36 layers, hidden 4096, MLP 12288, 32 q / 8 kv heads of
+# 128). Other shapes are scaled by training FLOPs per token: the target's forward (2 × its layer parameters) plus
+# the drafter's forward and backward (6 × its parameters), times the batch.
+REFERENCE_STEP_S, REFERENCE_BATCH, REFERENCE_DRAFTER = 1.18, 4, 1.05e9
+REFERENCE_TARGET_LAYER_PARAMS = 36 * (4096 * 128 * (2 * 32 + 2 * 8) + 3 * 4096 * 12288)
+# eval's decoding pace on an H200 (issue 47: HF decoding, host-bound; a 0.6B-shaped target measured 20.6 tok/s)
+EVAL_TOKENS_PER_S = 20.0
 
 
 class EstimateError(BadInput):
@@ -167,6 +175,11 @@ def estimate(
     params = drafter_params(shape, tr.num_layers, len(layer_ids), tr)
     steps = tr.max_steps or math.ceil(count / tr.batch_size) * tr.epochs  # max_steps, when set, is the run's length
     rate = tokens_per_s if tokens_per_s is not None else DEFAULT_TOKENS_PER_S[g.backend] * max(1, len(g.base_urls))
+    target_layer_params = shape.layers * (shape.hidden * shape.head_dim * (2 * shape.heads + 2 * shape.kv_heads)
+                                          + 3 * shape.hidden * shape.intermediate)
+    step_s = REFERENCE_STEP_S * (2 * target_layer_params + 6 * params) / (
+        2 * REFERENCE_TARGET_LAYER_PARAMS + 6 * REFERENCE_DRAFTER) * tr.batch_size / REFERENCE_BATCH
+    eval_tokens = 2 * cfg.eval.max_prompts * cfg.eval.max_new_tokens  # speculative, then target-only
     return {
         "prompts": count,
         "prompt_tokens_mean": round(prompt_tokens, 1),
@@ -185,6 +198,9 @@ def estimate(
         "checkpoints_bytes": params * CHECKPOINT_BYTES_PER_PARAM * tr.keep_checkpoints,
         "drafter_bytes": params * 4,
         "train_steps_one_process": steps,
+        "train_step_s": round(step_s, 3),
+        "train_hours_one_process": round(steps * step_s / 3600, 1),
+        "eval_hours": round(eval_tokens / EVAL_TOKENS_PER_S / 3600, 2),
         "target": {"layers": shape.layers, "hidden": shape.hidden, "vocab": shape.vocab, "from": shape.source},
         "target_layer_ids": layer_ids,
     }
@@ -223,6 +239,11 @@ def describe(est: dict[str, Any], cfg: PipelineConfig) -> list[str]:
         + (f"max_steps, ≈ {cfg.train.max_steps * cfg.train.batch_size / max(1, est['prompts']):,.1f} epochs"
            if cfg.train.max_steps else f"{cfg.train.epochs} epochs")
         + f", batch {cfg.train.batch_size}); divide by the number of torchrun processes",
+        f"train: ≈ {est['train_hours_one_process']:,} hours on one GPU process at ≈ {est['train_step_s']:.2f} s a step "
+        f"(the step measured on one H200 — 1.18 s, batch 4, a 1.05B drafter of a Qwen3-8B-shaped target, online — "
+        "scaled by this target's and drafter's training FLOPs and the batch)",
+        f"eval: ≈ {est['eval_hours']} hours ({cfg.eval.max_prompts} prompts × {cfg.eval.max_new_tokens} tokens, "
+        f"speculative and target-only, at ~{EVAL_TOKENS_PER_S:.0f} tokens/s: eval's HF decoding measured on an H200)",
         f"target: {est['target']['layers']} layers, hidden {est['target']['hidden']:,}, vocab "
         f"{est['target']['vocab']:,} (from {est['target']['from']}); features from layers {est['target_layer_ids']}",
     ]

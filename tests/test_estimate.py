@@ -138,3 +138,20 @@ def test_estimate_of_the_27b_example_reads_the_text_config(cli, tmp_path):
     # 5 draft layers of the target's shape (q 24 × 256, kv 4 × 256, MLP 17,408) plus fc (5 × 5120 → 5120)
     layer = 5120 * 256 * (2 * 24 + 2 * 4) + 2 * 256 + 3 * 5120 * 17408 + 2 * 5120
     assert est["drafter_params"] == 5 * layer + 5 * 5120 * 5120 + 2 * 5120
+
+
+def test_estimate_gives_training_and_eval_hours_from_the_measured_step(cli, tmp_path):
+    """The 8B shape with its ~1.05B drafter is the measured reference (1.18 s a step at batch 4); the 27B's
+    step is scaled up by its training FLOPs; hours are steps × step."""
+    from flashdraft.config import load_config
+
+    steps = {}
+    for name, config, example in [("8b", QWEN3_8B, "qwen3-8b.yaml"), ("27b", QWEN3_6_27B, "qwen3.6-27b.yaml")]:
+        target = tmp_path / f"{name}.json"
+        target.write_text(json.dumps(config))
+        est = _last_json(cli("estimate", str(EXAMPLES / example), "--num-prompts", "1000", "--target-config",
+                             str(target), "--json", check=True))
+        steps[name] = est["train_step_s"] * 4 / load_config(EXAMPLES / example).train.batch_size  # at batch 4
+        assert est["train_hours_one_process"] == round(est["train_steps_one_process"] * est["train_step_s"] / 3600, 1)
+        assert est["eval_hours"] > 0
+    assert abs(steps["8b"] - 1.18) < 0.05 and steps["27b"] > 2 * steps["8b"]
