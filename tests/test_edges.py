@@ -441,3 +441,28 @@ def test_an_api_key_a_server_echoes_back_is_never_written_or_printed(tmp_path):
     written = "".join(p.read_text() for p in (tmp_path / "gen").rglob("*") if p.is_file())
     assert "bad key: Bearer ***" in written  # the error is kept, the key is not
     assert key not in written and key not in proc.stdout + proc.stderr
+
+
+def test_a_live_writers_lease_stops_a_second_push_and_a_lapsed_one_is_taken_over(tmp_path, s3env, monkeypatch):
+    import uuid
+
+    import pytest
+
+    from flashdraft.artifact.store import open_store
+    from flashdraft.artifact.sync import PrefixBusy, WriterLease, push
+
+    src = many_files(tmp_path / "src", 3, 1000)
+    url = f"s3://flashdraft/t-{uuid.uuid4().hex[:10]}/art"
+    other = {"program": "flashdraft sync push", "host": "another-machine", "pid": 4242, "token": "x"}
+    store = open_store(url)
+    assert store.write_if(WriterLease.NAME, json.dumps(other).encode()) is not None  # a live push elsewhere
+    with pytest.raises(PrefixBusy, match="being written by flashdraft sync push \\(pid 4242 on another-machine"):
+        push(src, open_store(url), log=lambda line: None)
+    assert s3_keys(s3env, url).keys() == {WriterLease.NAME}  # nothing written beside the other push's lease
+
+    monkeypatch.setattr(WriterLease, "LEASE_S", 1.0)  # as if it had not been renewed for its whole lease
+    time.sleep(2.5)
+    lines = []
+    result = push(src, open_store(url), log=lines.append)
+    assert result.verified == 3 and any("took over the writer lease" in line for line in lines)
+    assert WriterLease.NAME not in s3_keys(s3env, url)  # released at the end

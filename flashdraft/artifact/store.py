@@ -448,6 +448,38 @@ class S3Store:
         r = self._call(f"read {rel}", self.client.get_object, missing_ok=True, Key=self.key(rel))
         return None if r is None else r["Body"].read()
 
+    def read_with_age(self, rel: str) -> tuple[bytes, str, float] | None:
+        """A small object's bytes, ETag and age in seconds by the server's own clock (its Date header against the
+        object's Last-Modified), so hosts with skewed clocks agree on it. None if absent."""
+        from email.utils import parsedate_to_datetime
+
+        r = self._call(f"read {rel}", self.client.get_object, missing_ok=True, Key=self.key(rel))
+        if r is None:
+            return None
+        served = r.get("ResponseMetadata", {}).get("HTTPHeaders", {}).get("date")
+        now = parsedate_to_datetime(served) if served else None
+        age = (now - r["LastModified"]).total_seconds() if now is not None else 0.0
+        return r["Body"].read(), r.get("ETag", ""), max(0.0, age)
+
+    def write_if(self, rel: str, data: bytes, *, if_match: str | None = None) -> str | None:
+        """Write a small object only if it is absent (`if_match` None) or still the version `if_match` names;
+        returns its new ETag, or None when another writer's version is there (PreconditionFailed)."""
+        import hashlib
+
+        from botocore.exceptions import BotoCoreError, ClientError
+
+        condition = {"IfMatch": if_match} if if_match else {"IfNoneMatch": "*"}
+        try:
+            r = self.client.put_object(Bucket=self.bucket, Key=self.key(rel), Body=data,
+                                       ChecksumSHA256=_b64(hashlib.sha256(data).hexdigest()), **condition)
+        except BotoCoreError as e:
+            raise StoreError(self.redactor.redact(f"write {rel}: cannot reach the store: {e}")) from None
+        except ClientError as e:
+            if e.response.get("Error", {}).get("Code") in ("PreconditionFailed", "412", "ConditionalRequestConflict"):
+                return None
+            raise StoreError(self.redactor.redact(f"write {rel}: {e}")) from None
+        return r.get("ETag")
+
     def put_bytes(self, rel: str, data: bytes) -> None:
         """A small object flashdraft keeps for itself (under an internal name)."""
         import hashlib

@@ -13,6 +13,8 @@ been confirmed by the store, and only then is the manifest written (a conditiona
 from __future__ import annotations
 
 import json
+import os
+import threading
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
@@ -284,10 +286,26 @@ def _push(src: Path, store, delete: bool, jobs: int, part_size: int | None, forc
         raise VerifyFailed(store.url, [Problem(rel, why if rel in foreign else
                                                "unlisted object: not in the manifest (push with --delete to remove it)")
                                        for rel in foreign + [r for r in extra if r not in foreign]])
+    with LocalLease() if isinstance(store, LocalStore) else WriterLease(store, log) as lease:
+        if store.read_bytes(MANIFEST) != remote_manifest:  # committed by another writer before the lease was ours
+            raise VerifyFailed(store.url, [Problem(MANIFEST, "another writer committed here since this push "
+                                                             "started; nothing was changed: rerun to see what is "
+                                                             "there now")])
+        return _write(src, store, manifest, raw, listing, present, to_send, extra, earlier, remote_manifest, memo,
+                      result, delete, jobs, part_size, console, log, lease)
+
+
+def _write(src: Path, store, manifest: Manifest, raw: bytes, listing: dict, present: dict, to_send: list,
+           extra: list, earlier: set, remote_manifest: bytes | None, memo: EtagMemo, result: SyncResult,
+           delete: bool, jobs: int, part_size: int | None, console, log: Callable[[str], None], lease) -> SyncResult:
+    """The writing half of a push, under its writer lease: retire the old manifest, upload (each object only over
+    the version seen at the start), delete what --delete may, check, commit, confirm."""
+    listed = {e.path for e in manifest.files}
+    sending = {e.path for e in to_send}
     retire_manifest(store, remote_manifest, earlier)
     if hasattr(store, "abort_incomplete_uploads") and (aborted := store.abort_incomplete_uploads()):
         log(f"push: aborted {aborted} multipart upload(s) at {store.url} left open for over a day (a killed push's)")
-    guard = NoManifestGuard(store)
+    guard = lease
     total = sum(e.size for e in to_send)
     part_size = part_size or upload_part_size(to_send, jobs)
     sent: dict[str, str | None] = {}  # path -> the ETag the store gave this push's upload
@@ -314,6 +332,8 @@ def _push(src: Path, store, delete: bool, jobs: int, part_size: int | None, forc
                  if expected.get(rel) and item.etag and item.etag != expected[rel]]
     if problems:
         raise VerifyFailed(store.url, problems)
+    lease.renew()  # still ours, just now: no other writer can have started since
+    lease.check()
     store.put_manifest(raw)  # a conditional create: a second writer's fails (this push deleted the old one)
     if store.read_bytes(MANIFEST) != raw:
         raise VerifyFailed(store.url, [Problem(MANIFEST, "the committed manifest does not read back identically")])
@@ -331,20 +351,125 @@ def _push(src: Path, store, delete: bool, jobs: int, part_size: int | None, forc
     return result
 
 
-class NoManifestGuard:
-    """Looked at before each object a push writes or deletes: the prefix must still have no manifest. One that
-    appeared is another writer's commit, which this push must not change (its own commit comes after its last
-    write). On a local store the directory's lock already keeps writers apart."""
+class PrefixBusy(ExpectedFailure):
+    """Another live push holds the prefix's writer lease: two writers would leave a mix."""
 
-    def __init__(self, store) -> None:
-        self.store = store
+
+class WriterLease:
+    """One writer at a time under an S3 prefix: a small object (`.flashdraft-writer.json`, internal, never listed
+    as data) created with If-None-Match, naming its holder, renewed every RENEW_S seconds with If-Match on its own
+    ETag, and deleted when the push ends. A second push finds it and stops before writing anything. A lease not
+    renewed for LEASE_S seconds (by the store's clock), or held by a dead process on this host, is a killed
+    push's and is taken over, so a rerun resumes. A push that loses its lease (renewal refused: it was paused past
+    LEASE_S and taken over) writes nothing more. On a local store the directory's lock does this job."""
+
+    NAME = f"{INTERNAL_PREFIX}writer.json"
+    LEASE_S, RENEW_S = 120.0, 30.0
+
+    def __init__(self, store, log: Callable[[str], None]) -> None:
+        import socket
+        import uuid
+
+        self.store, self.log = store, log
+        self.record = {"program": "flashdraft sync push", "host": socket.gethostname(), "pid": os.getpid(),
+                       "token": uuid.uuid4().hex}
+        self.etag: str | None = None
+        self.lost = threading.Event()
+        self.stop = threading.Event()
+        self.lock = threading.Lock()
+
+    def __enter__(self) -> WriterLease:
+        data = json.dumps(self.record).encode()
+        self.etag = self.store.write_if(self.NAME, data)
+        if self.etag is None:
+            self._take_over(data)
+        self.thread = threading.Thread(target=self._renew_loop, daemon=True, name="writer-lease")
+        self.thread.start()
+        return self
+
+    def _take_over(self, data: bytes) -> None:
+        found = self.store.read_with_age(self.NAME)
+        if found is None:  # released between the two calls
+            self.etag = self.store.write_if(self.NAME, data)
+        else:
+            raw, etag, age = found
+            try:
+                holder = json.loads(raw)
+            except ValueError:
+                holder = {}
+            dead_here = holder.get("host") == self.record["host"] and not _alive(holder.get("pid"))
+            if not dead_here and age < self.LEASE_S:
+                raise PrefixBusy(f"{self.store.url} is being written by {holder.get('program', 'another push')} "
+                                 f"(pid {holder.get('pid', '?')} on {holder.get('host', '?')}, renewed {age:.0f} s "
+                                 f"ago); nothing was written: wait for it to finish (a dead one's lease lapses "
+                                 f"{self.LEASE_S:.0f} s after its last renewal, then rerun)")
+            self.etag = self.store.write_if(self.NAME, data, if_match=etag)
+            if self.etag is not None:
+                self.log(f"push: took over the writer lease of a push that is gone (pid {holder.get('pid', '?')} "
+                         f"on {holder.get('host', '?')}, last renewed {age:.0f} s ago)")
+        if self.etag is None:
+            raise PrefixBusy(f"{self.store.url}: another push took the writer lease at the same moment; nothing "
+                             "was written: rerun once it has finished")
+
+    def _renew_loop(self) -> None:
+        while not self.stop.wait(self.RENEW_S):
+            self.renew()
+
+    def renew(self) -> None:
+        with self.lock:
+            if self.lost.is_set():
+                return
+            etag = self.store.write_if(self.NAME, json.dumps(self.record).encode(), if_match=self.etag)
+            if etag is None:
+                self.lost.set()
+            else:
+                self.etag = etag
 
     def check(self) -> None:
-        if isinstance(self.store, LocalStore):
-            return
-        if self.store.head(MANIFEST) is not None:
-            raise StoreError(f"{self.store.url}: another writer committed an artifact here since this push started; "
-                             "this push stopped without changing it: rerun to see what is there now")
+        """Before each write: raise if the lease was lost (this push must not write any more)."""
+        if self.lost.is_set():
+            raise StoreError(f"{self.store.url}: this push lost its writer lease (it was paused past "
+                             f"{self.LEASE_S:.0f} s and another push took over); it stopped writing: rerun to see "
+                             "what is there now")
+
+    def __exit__(self, *exc) -> None:
+        self.stop.set()
+        self.thread.join()
+        with self.lock:
+            try:
+                found = None if self.lost.is_set() else self.store.read_with_age(self.NAME)
+                if found is not None and found[1] == self.etag:
+                    self.store.delete(self.NAME)
+            except StoreError:  # the store went away: the lease lapses by itself; the push's own error matters
+                pass
+
+
+class LocalLease:
+    """A local store's writers are kept apart by its directory lock (held by `push`): nothing to do here."""
+
+    def __enter__(self) -> LocalLease:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        pass
+
+    def check(self) -> None:
+        pass
+
+    def renew(self) -> None:
+        pass
+
+
+def _alive(pid) -> bool:
+    if not isinstance(pid, int):
+        return True  # cannot tell: treat as alive, so only the lapse of the lease frees it
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def upload_part_size(to_send: list[FileEntry], jobs: int) -> int:
