@@ -50,7 +50,7 @@ def main() -> None:
     from flashdraft.train.distributed import place
     from flashdraft.train.optim import Optimizers, build_optimizers
 
-    cfg = demo_config(args.workdir).train
+    cfg = demo_config(args.workdir, full=True).train
     quiet = lambda s: None  # noqa: E731
     scratch = Path(tempfile.mkdtemp())
     os.symlink(args.workdir / "train" / "features", scratch / "features")  # the workdir's cache, verified by setup

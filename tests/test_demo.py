@@ -161,8 +161,9 @@ def test_demo_yaml_matches_what_demo_runs():
 
     from flashdraft.demo import demo_config
 
-    example = load_config(Path(__file__).resolve().parent.parent / "examples" / "demo.yaml")
-    assert example == demo_config(Path("flashdraft-work"))
+    examples = Path(__file__).resolve().parent.parent / "examples"
+    assert load_config(examples / "demo.yaml") == demo_config()
+    assert load_config(examples / "demo-full.yaml") == demo_config(full=True)
 
 
 def test_the_docs_describe_the_demo_that_runs():
@@ -231,3 +232,36 @@ def test_sigkill_mid_stage_then_run_finishes_without_redoing_work(cli, tmp_path,
     assert "resuming from step-" in final  # training continued from its newest complete checkpoint
     for path in ("generate", "dataset", "train/drafter", "eval"):
         assert verify_dir(work / path) == [], path
+
+
+def test_the_quick_demo_plans_under_ten_minutes_and_the_plan_matches_the_measured_full_demo():
+    from flashdraft.demo import demo_config, plan
+
+    quick = sum(seconds for _, _, seconds in plan(demo_config()))
+    full = sum(seconds for _, _, seconds in plan(demo_config(full=True)))
+    assert quick <= 10 * 60
+    assert abs(full - (46 * 60 + 49)) < 0.1 * (46 * 60 + 49)  # the rates reproduce the full demo's measured time
+
+
+def test_the_demo_heartbeat_prints_a_line_with_the_whole_runs_eta_whatever_the_stage_does():
+    import io
+    import time
+
+    from rich.console import Console
+
+    from flashdraft.demo import heartbeat
+
+    out = io.StringIO()
+    console = Console(file=out, force_terminal=False, width=200)
+    stages = [("generate", "", 2.0), ("tokenize", "", 1.0), ("train", "", 3.0), ("eval", "", 1.0)]
+    with heartbeat(console, stages, every_s=0.1) as log:
+        log("generate: building work/generate")
+        time.sleep(0.45)  # a stage that says nothing (a model loading): the heartbeat still speaks
+        log("train: building work/train/drafter")
+        time.sleep(0.35)
+    lines = out.getvalue().splitlines()
+    beats = [line for line in lines if line.startswith("demo: ")]
+    assert len(beats) >= 5 and "now generate (1/4), ETA ≈" in beats[0]
+    assert int(beats[0].split("ETA ≈ ")[1].split(" s")[0]) in (6, 7)  # 7 s planned in all, ~0.1 s gone
+    assert any("now train (3/4)" in line for line in beats[-2:])
+    assert "generate: building work/generate" in lines  # the stages' own lines pass through
