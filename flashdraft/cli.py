@@ -148,6 +148,7 @@ def main(
     """Train DFlash drafters: generate → tokenize → train → eval, with verified artifacts and sync."""
     if not sys.stderr.isatty():  # a log file: library progress bars (weights loading, shards) would fill it
         os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+        os.environ.setdefault("TQDM_DISABLE", "1")  # tqdm's own (GGUF conversion, datasets): \r-lines in a log
 
 
 # ---------------------------------------------------------------------------------------------- stages

@@ -187,6 +187,12 @@ def test_the_docs_describe_the_demo_that_runs():
         f"{DEMO_SETTINGS['eval.max_prompts']} hand-written held-out prompts (`{DEMO_SETTINGS['eval.prompts']}`)",
     ]
     assert [phrase for phrase in said if phrase not in row] == []
+    from flashdraft.demo import QUICK_SETTINGS as Q
+
+    quick = [f"first **{Q['generate.max_prompts']}** hand-written prompts", f"**{Q['train.max_steps']}** training steps",
+             f"{Q['train.eval_samples']} held-out samples in the log",
+             f"**{Q['eval.max_prompts']}** held-out prompts × **{Q['eval.max_new_tokens']}** tokens"]
+    assert [phrase for phrase in quick if phrase not in row] == []
 
 
 def _kill_when(args: list[str], appears, timeout: float = 300) -> None:
