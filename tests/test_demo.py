@@ -189,7 +189,8 @@ def test_the_docs_describe_the_demo_that_runs():
     assert [phrase for phrase in said if phrase not in row] == []
     from flashdraft.demo import QUICK_SETTINGS as Q
 
-    quick = [f"first **{Q['generate.max_prompts']}** hand-written prompts", f"**{Q['train.max_steps']}** training steps",
+    quick = [f"first **{Q['generate.max_prompts']}** hand-written prompts",
+             f"**{Q['train.max_steps']}** training steps",
              f"{Q['train.eval_samples']} held-out samples in the log",
              f"**{Q['eval.max_prompts']}** held-out prompts × **{Q['eval.max_new_tokens']}** tokens"]
     assert [phrase for phrase in quick if phrase not in row] == []
