@@ -13,7 +13,7 @@ from pathlib import Path
 
 from flashdraft.artifact.manifest import build_manifest, write_manifest
 from flashdraft.artifact.ownership import lock_path
-from tests.artifact.test_ownership import tree_digest
+from tests.artifact.test_ownership import HOLD, tree_digest
 from tests.test_trust import one_line_error
 
 FLASHDRAFT = [sys.executable, "-m", "flashdraft"]
@@ -51,15 +51,6 @@ def test_a_link_at_the_lock_path_never_writes_outside_out(cli, tmp_path):
     lock_path(dst).unlink()
     cli("sync", "pull", str(src), str(dst), check=True)
     assert not lock_path(dst).exists()
-
-
-HOLD = """
-import sys, time
-from flashdraft.artifact.ownership import output_lock
-with output_lock(sys.argv[1]):
-    print("held", flush=True)
-    time.sleep(120)
-"""
 
 
 def test_a_link_to_out_shares_its_lock_and_the_lock_file_keeps_no_command_line(tmp_path):
