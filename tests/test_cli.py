@@ -53,7 +53,7 @@ FROZEN_FLAGS = {
     "sync": ["--delete", "--endpoint-url", "--force", "--jobs", "--json", "--part-size-mb", "--profile", "--verbose"],
     "status": ["--config", "--json", "--store"],
     "run": ["--dry-run", "--from", "--store", "--until"],
-    "demo": ["--workdir"],
+    "demo": ["--full", "--workdir"],
     "estimate": ["--json", "--num-prompts", "--target-config", "--tokens-per-s"],
 }
 

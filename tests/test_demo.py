@@ -37,6 +37,8 @@ def test_embedded_target_is_converted_once_and_verified(tmp_path, monkeypatch):
     lines = []
     resolve_model("embedded", log=lines.append)
     assert "target: already done, verified" in lines[0]
+    resolve_model("embedded", log=lines.append)  # every stage of a run resolves it: said once a process
+    assert len(lines) == 1
 
     (target / "config.json").write_text((target / "config.json").read_text().replace("576", "577"))  # same size
     lines.clear()

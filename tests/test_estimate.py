@@ -79,7 +79,7 @@ def test_estimate_counts_max_steps_when_set(cli):
     steps training will run, not the epochs'."""
     from flashdraft.demo import DEMO_SETTINGS
 
-    demo = str(EXAMPLES / "demo.yaml")
+    demo = str(EXAMPLES / "demo-full.yaml")  # DEMO_SETTINGS: the full demo's
     text = cli("estimate", demo, check=True).stdout
     steps = DEMO_SETTINGS["train.max_steps"]
     epochs = steps / -(-DEMO_SETTINGS["generate.max_prompts"] // DEMO_SETTINGS["train.batch_size"])

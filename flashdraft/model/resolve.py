@@ -50,10 +50,15 @@ def convert_gguf(gguf: Path, out: Path, log=print) -> Path:
     lineage = Lineage(config=sha256_json({"gguf": gguf.name, "sha256": sha256_file(gguf), "dtype": "float32"}))
     with output_lock(out, wait=True):
         decision = check_done(out, lineage)
-        log(decision.line("target", out))
+        if not decision.done or str(out) not in _SAID_DONE:  # once a process: every stage resolves the target
+            log(decision.line("target", out))
+            _SAID_DONE.add(str(out))
         if not decision.done:
             _convert(gguf, out, lineage, log)
     return out
+
+
+_SAID_DONE: set[str] = set()  # converted-model entries this process has already reported done
 
 
 def _convert(gguf: Path, out: Path, lineage: Lineage, log) -> None:
