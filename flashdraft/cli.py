@@ -542,7 +542,8 @@ def run(
 
     cfg = load_config(config_file, {"store": store})
     stages = selected(from_stage, until)
-    checks = pipeline_checks(cfg, stages)  # before any stage: a wrong store or endpoint is found now, not hours in
+    # Before any stage: a wrong store or endpoint is found now, not hours in.
+    checks = pipeline_checks(cfg, stages, every=dry_run)
     if dry_run:
         from flashdraft.artifact.manifest import verify_dir
 

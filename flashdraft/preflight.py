@@ -289,8 +289,10 @@ def train_checks(tr: TrainConfig) -> list[Check]:
     return checks
 
 
-def pipeline_checks(cfg: PipelineConfig, stages: list[str]) -> list[Check]:
-    """Everything the selected stages will need, checked now: what `run` checks before its first stage."""
+def pipeline_checks(cfg: PipelineConfig, stages: list[str], every: bool = True) -> list[Check]:
+    """Everything the selected stages will need, checked now: what `run` checks before its first stage. The disk
+    check comes last and, unless `every` (a dry run lists every check), only when the others passed: it may
+    have to convert the embedded target once to count tokens, which is no reason to keep a failure waiting."""
     from flashdraft.layout import generate_parts, join, stage_url, train_url
 
     g, checks = cfg.generate, []
@@ -309,7 +311,8 @@ def pipeline_checks(cfg: PipelineConfig, stages: list[str]) -> list[Check]:
     if "eval" in stages:
         checks.append(check_model(cfg.eval.target, "eval target"))
         checks.append(check_prompts(cfg.eval.prompts))
-    checks.append(_disk_for(cfg, stages))
+    if every or all(c.ok for c in checks):
+        checks.append(_disk_for(cfg, stages))
     return checks
 
 
