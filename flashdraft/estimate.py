@@ -133,13 +133,17 @@ def prompt_lengths(source: str, tokenizer_ref: str, sample: int = 2000) -> tuple
     return count, tokens / len(picked), how
 
 
+def layer_params(shape: TargetShape) -> int:
+    """The matrices of one decoder layer of the target's shape: q, k, v, o and the gated MLP."""
+    attention = shape.hidden * shape.head_dim * (2 * shape.heads + 2 * shape.kv_heads)
+    return attention + 3 * shape.hidden * shape.intermediate
+
+
 def drafter_params(shape: TargetShape, num_layers: int, n_features: int, tr: TrainConfig | None = None) -> int:
     """Trainable parameters: the draft layers (target-shaped, Qwen3 attention), `fc` and the norms; for DFlash2
     (`tr.architecture`) also two block convolutions a layer (base kernel 2·taps·D, kernel projection D ×
     2·taps·D/group) and the candidate selector (two V × r codebooks and an r × D projection)."""
-    attn = shape.hidden * shape.head_dim * (2 * shape.heads + 2 * shape.kv_heads) + 2 * shape.head_dim
-    mlp = 3 * shape.hidden * shape.intermediate
-    layer = attn + mlp + 2 * shape.hidden
+    layer = layer_params(shape) + 2 * shape.head_dim + 2 * shape.hidden  # + q/k norms and the layer's two norms
     total = num_layers * layer + n_features * shape.hidden * shape.hidden + 2 * shape.hidden
     if tr is not None and tr.architecture == "dflash2":
         taps, d = tr.conv_kernel_size, shape.hidden
@@ -175,9 +179,7 @@ def estimate(
     params = drafter_params(shape, tr.num_layers, len(layer_ids), tr)
     steps = tr.max_steps or math.ceil(count / tr.batch_size) * tr.epochs  # max_steps, when set, is the run's length
     rate = tokens_per_s if tokens_per_s is not None else DEFAULT_TOKENS_PER_S[g.backend] * max(1, len(g.base_urls))
-    target_layer_params = shape.layers * (shape.hidden * shape.head_dim * (2 * shape.heads + 2 * shape.kv_heads)
-                                          + 3 * shape.hidden * shape.intermediate)
-    step_s = REFERENCE_STEP_S * (2 * target_layer_params + 6 * params) / (
+    step_s = REFERENCE_STEP_S * (2 * shape.layers * layer_params(shape) + 6 * params) / (
         2 * REFERENCE_TARGET_LAYER_PARAMS + 6 * REFERENCE_DRAFTER) * tr.batch_size / REFERENCE_BATCH
     eval_tokens = 2 * cfg.eval.max_prompts * cfg.eval.max_new_tokens  # speculative, then target-only
     return {

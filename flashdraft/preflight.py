@@ -185,7 +185,9 @@ def _model(ref: str) -> str:
             raise ValueError(f"{path} has no config.json: not a model directory")
         tokenizers = [n for n in ("tokenizer.json", "tokenizer.model", "vocab.json") if (path / n).is_file()]
         return f"model directory (config.json{', ' + tokenizers[0] if tokenizers else ', no tokenizer files'})"
-    if path.is_absolute() or ref.startswith((".", "~")) or ref.count("/") > 1:
+    from flashdraft.model.resolve import looks_like_path
+
+    if looks_like_path(ref):
         raise ValueError("not a directory, GGUF file or hub id")
     from huggingface_hub import try_to_load_from_cache
 

@@ -101,21 +101,11 @@ def work_in_progress(stage: str, path: Path, cfg: PipelineConfig) -> dict[str, A
 
 
 def last_logged_step(metrics: Path) -> int:
-    """The step of metrics.jsonl's last complete training line (0 when there is none)."""
-    import json
+    """The step of metrics.jsonl's last complete line (0 when there is none)."""
+    from flashdraft.train.metrics import complete_records
 
-    try:
-        lines = metrics.read_text(errors="replace").split("\n")[:-1]
-    except OSError:
-        return 0
-    for line in reversed(lines):
-        try:
-            record = json.loads(line)
-        except ValueError:
-            continue
-        if isinstance(record, dict) and isinstance(record.get("step"), int):
-            return record["step"]
-    return 0
+    records = complete_records(metrics)
+    return records[-1][1]["step"] if records else 0
 
 
 def rate_and_eta(info: dict[str, Any]) -> dict[str, Any]:

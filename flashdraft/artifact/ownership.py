@@ -114,6 +114,11 @@ def refuse_overlap(out: str | Path, inputs: Iterable[str | Path | None]) -> None
                                  "(it would no longer verify): nothing was changed, use an --out outside it")
 
 
+def now_iso() -> str:
+    """Now, as markers and lock records state it (UTC, to the second)."""
+    return datetime.now(UTC).isoformat(timespec="seconds")
+
+
 def mark_output(out: Path, kind: str, **marker: Any) -> None:
     """Record in `out` that a run of `kind` owns it (what `claim_output` and `owner_kind` read back)."""
     out.mkdir(parents=True, exist_ok=True)
@@ -204,8 +209,7 @@ def holder() -> dict[str, Any]:
         name = f"flashdraft {sub}" if sub.isidentifier() else "flashdraft"
     else:  # a script, or `python -c` (argv[0] is "-c")
         name = program.name if program.name not in ("", "-c") else Path(sys.executable).name
-    return {"program": name, "host": socket.gethostname(), "pid": os.getpid(),
-            "since": datetime.now(UTC).isoformat(timespec="seconds")}
+    return {"program": name, "host": socket.gethostname(), "pid": os.getpid(), "since": now_iso()}
 
 
 def _describe_holder(path: Path, wait_s: float = 2.0) -> str:

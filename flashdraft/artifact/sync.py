@@ -239,9 +239,16 @@ def push(
                 return _push(Path(src), store, delete, jobs, part_size, force, console, log)
         return _push(Path(src), store, delete, jobs, part_size, force, console, log)
     except BaseException:
-        if described_here:  # a plain directory is left as it was found: no manifest from a push that failed
-            (Path(src) / MANIFEST).unlink(missing_ok=True)
+        if described_here and _kind_at(Path(src)) == "files":  # the description this push wrote, nothing else
+            (Path(src) / MANIFEST).unlink(missing_ok=True)  # left as it was found, without a manifest
         raise
+
+
+def _kind_at(root: Path) -> str | None:
+    try:
+        return read_manifest(root).kind
+    except ManifestError:
+        return None
 
 
 def _push(src: Path, store, delete: bool, jobs: int, part_size: int | None, force: bool, console,
@@ -287,10 +294,6 @@ def _push(src: Path, store, delete: bool, jobs: int, part_size: int | None, forc
                                                "unlisted object: not in the manifest (push with --delete to remove it)")
                                        for rel in foreign + [r for r in extra if r not in foreign]])
     with LocalLease() if isinstance(store, LocalStore) else WriterLease(store, log) as lease:
-        if store.read_bytes(MANIFEST) != remote_manifest:  # committed by another writer before the lease was ours
-            raise VerifyFailed(store.url, [Problem(MANIFEST, "another writer committed here since this push "
-                                                             "started; nothing was changed: rerun to see what is "
-                                                             "there now")])
         return _write(src, store, manifest, raw, listing, present, to_send, extra, earlier, remote_manifest, memo,
                       result, delete, jobs, part_size, console, log, lease)
 
@@ -299,19 +302,19 @@ def _write(src: Path, store, manifest: Manifest, raw: bytes, listing: dict, pres
            extra: list, earlier: set, remote_manifest: bytes | None, memo: EtagMemo, result: SyncResult,
            delete: bool, jobs: int, part_size: int | None, console, log: Callable[[str], None], lease) -> SyncResult:
     """The writing half of a push, under its writer lease: retire the old manifest, upload (each object only over
-    the version seen at the start), delete what --delete may, check, commit, confirm."""
+    the version seen at the start), delete what --delete may, check, commit, confirm. The manifest read at the start
+    is checked once more first (`retire_manifest`): a commit between that read and the lease is not written under."""
     listed = {e.path for e in manifest.files}
     sending = {e.path for e in to_send}
     retire_manifest(store, remote_manifest, earlier)
     if hasattr(store, "abort_incomplete_uploads") and (aborted := store.abort_incomplete_uploads()):
         log(f"push: aborted {aborted} multipart upload(s) at {store.url} left open for over a day (a killed push's)")
-    guard = lease
     total = sum(e.size for e in to_send)
     part_size = part_size or upload_part_size(to_send, jobs)
     sent: dict[str, str | None] = {}  # path -> the ETag the store gave this push's upload
 
     def upload(entry: FileEntry) -> None:
-        guard.check()
+        lease.check()
         before = listing.get(entry.path)
         sent[entry.path] = store.upload(src / entry.path, entry, advance, part_size,
                                         if_match=before.etag if before else None, if_absent=before is None)
@@ -320,7 +323,7 @@ def _write(src: Path, store, manifest: Manifest, raw: bytes, listing: dict, pres
         _transfer_all(upload, to_send, jobs)
     if delete:
         for rel in extra:
-            guard.check()
+            lease.check()
             store.delete(rel)
         result.deleted = len(extra)
 
@@ -522,12 +525,13 @@ def _created(raw: bytes) -> str:
 
 def retire_manifest(store, read_at_start: bytes | None, earlier: set[str]) -> None:
     """Withdraw the prefix's manifest before any of its objects change (the old artifact stops existing), after
-    checking it is still the one this writer read at its start: another writer's newer commit is not deleted."""
-    if read_at_start is None:
-        return
+    checking it is still the one this writer read at its start (or still absent): another writer's newer commit is
+    neither deleted nor written under."""
     if store.read_bytes(MANIFEST) != read_at_start:
         raise VerifyFailed(store.url, [Problem(MANIFEST, "another writer committed here since this one started; "
                                                          "nothing was changed: rerun to see what is there now")])
+    if read_at_start is None:
+        return
     store.put_bytes(EARLIER, json.dumps(sorted(earlier)).encode())
     store.delete(MANIFEST)
 

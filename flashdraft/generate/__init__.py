@@ -42,6 +42,7 @@ from flashdraft.artifact.ownership import (
     OWNER,
     adopt,
     mark_output,
+    now_iso,
     output_lock,
     read_marker,
     refuse_overlap,
@@ -69,12 +70,6 @@ LEGACY_CLAIM = ".flashdraft-generate.json"  # flashdraft ≤ 0.1's in-progress m
 
 class OutputInUse(ExpectedFailure):
     """--out already holds output of a different run; mixing the two would corrupt both."""
-
-
-def now_iso() -> str:
-    from datetime import UTC, datetime
-
-    return datetime.now(UTC).isoformat(timespec="seconds")
 
 
 def batch_name(index: int) -> str:

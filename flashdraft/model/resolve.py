@@ -86,10 +86,15 @@ def resolve_model(ref: str, log=print) -> str:
     path = Path(ref)
     if path.suffix == ".gguf" and path.is_file():
         return str(convert_gguf(path, cache_dir() / "models" / path.stem.lower(), log))
-    looks_like_path = path.is_absolute() or ref.startswith((".", "~")) or path.suffix == ".gguf" or ref.count("/") > 1
-    if looks_like_path and not path.exists():  # a hub id is `name` or `org/name`
+    if looks_like_path(ref) and not path.exists():
         raise BadInput(f"model not found: {ref} (not a directory, GGUF file or hub id)")
     return ref
+
+
+def looks_like_path(ref: str) -> bool:
+    """A model reference that names a file or directory rather than a hub id (`name` or `org/name`)."""
+    path = Path(ref)
+    return path.is_absolute() or ref.startswith((".", "~")) or path.suffix == ".gguf" or ref.count("/") > 1
 
 
 def stop_token_ids(tokenizer, generation_eos: int | list[int] | None) -> set[int]:

@@ -44,7 +44,7 @@ from flashdraft.artifact.manifest import (
     require_verified,
     sha256_json,
 )
-from flashdraft.artifact.ownership import adopt, claim_output, mark_output, output_lock, refuse_overlap
+from flashdraft.artifact.ownership import adopt, claim_output, mark_output, now_iso, output_lock, refuse_overlap
 from flashdraft.config import TrainConfig
 from flashdraft.errors import ExpectedFailure
 from flashdraft.layout import CHECKPOINTS, DRAFTER
@@ -102,7 +102,7 @@ def run(
     out = Path(out)
     if int(os.environ.get("RANK", "0")) != 0:
         return _run(cfg, Path(data), out, require_checkpoint, console, log)
-    refuse_overlap(out, [data, cfg.init_from, cfg.target if Path(cfg.target).is_dir() else None])
+    refuse_overlap(out, [data, cfg.init_from, cfg.target])
     with output_lock(out):
         made = any((out / name).is_dir() for name in (CHECKPOINTS, DRAFTER, "features"))  # train's own layout
         adopt(out, "train", made_before_markers=made)
@@ -171,10 +171,7 @@ def _run(cfg: TrainConfig, data: Path, out: Path, require_checkpoint: bool, cons
     if where.rank == 0:
         truncate_metrics(out / "metrics.jsonl", position["step"])
         # What `flashdraft status` reads of a run in progress: its length, and where this start began.
-        from datetime import UTC, datetime
-
-        mark_output(out, "train", total_steps=s.total_steps, start_step=position["step"],
-                    started=datetime.now(UTC).isoformat(timespec="seconds"))
+        mark_output(out, "train", total_steps=s.total_steps, start_step=position["step"], started=now_iso())
     say(f"train: {len(s.train_ids)} training / {len(s.heldout_ids)} held-out samples, {where.world} process(es), "
         f"{s.total_steps} steps, drafter {sum(p.numel() for p in s.drafter.parameters()) / 1e6:.1f}M params, "
         f"mask token {s.drafter.mask_token_id}, target layers {s.drafter.target_layer_ids}")

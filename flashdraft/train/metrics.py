@@ -101,12 +101,23 @@ def truncate_metrics(path: Path, step: int) -> None:
     is dropped with it), which must not stop every resume."""
     if not path.exists():
         return
-    keep = []
-    for line in path.read_text(errors="replace").split("\n")[:-1]:  # what follows the last newline is partial
+    keep = [line for line, record in complete_records(path) if record["step"] <= step]
+    atomic_write_text(path, "".join(line + "\n" for line in keep))
+
+
+def complete_records(path: Path) -> list[tuple[str, dict]]:
+    """metrics.jsonl's records (each with its line) up to its last complete line: what follows the last newline is
+    a kill's or a full disk's partial write, and a line that is not a record with an integer step is skipped."""
+    try:
+        lines = path.read_text(errors="replace").split("\n")[:-1]
+    except OSError:
+        return []
+    records = []
+    for line in lines:
         try:
             record = json.loads(line)
         except ValueError:
             continue
-        if isinstance(record, dict) and isinstance(record.get("step"), int) and record["step"] <= step:
-            keep.append(line)
-    atomic_write_text(path, "".join(line + "\n" for line in keep))
+        if isinstance(record, dict) and isinstance(record.get("step"), int):
+            records.append((line, record))
+    return records
