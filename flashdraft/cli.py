@@ -306,23 +306,34 @@ def train(
 def evaluate(
     drafter: Annotated[Path | None, typer.Option(help="An exported drafter directory.")] = None,
     prompts: Annotated[
-        str | None, typer.Option(help="Held-out prompts: JSONL, Parquet, or a built-in set (builtin:chat-heldout).")
+        list[str] | None, typer.Option(help="Held-out prompts, repeatable, each reported on its own: a JSONL / "
+                                       "Parquet file, a built-in set (builtin:chat-heldout), or a standard "
+                                       "benchmark: gsm8k, math500, humaneval, mbpp, mt-bench (from the hub) or "
+                                       "NAME=PATH (a local copy in that dataset's schema).")
     ] = None,
-    out: Annotated[Path | None, typer.Option(help="Output directory (report.json + plots).")] = None,
+    out: Annotated[Path | None, typer.Option(help="Output directory (report.json, report.md, plots).")] = None,
     target: Annotated[str | None, typer.Option(help="Target REF.")] = None,
     max_new_tokens: Annotated[int | None, typer.Option(help="Tokens to decode per prompt.")] = None,
     temperature: Annotated[float | None, typer.Option(help="0 = greedy (checked lossless).")] = None,
+    max_prompts: Annotated[int | None, typer.Option(help="Prompts per --prompts set.")] = None,
+    thinking: Annotated[str | None, typer.Option(help="on | off: enable_thinking in the chat template.")] = None,
+    decoding: Annotated[str | None, typer.Option(
+        help="auto | static | dynamic: auto is a static KV cache with CUDA graphs on a GPU, the growing cache on "
+             "a CPU.")] = None,
     config: ConfigFlag = None,
     json_out: JsonFlag = False,
 ) -> None:
-    """Measure acceptance length with lossless speculative decoding."""
+    """Measure acceptance length with lossless speculative decoding, per prompt set."""
     from flashdraft import evaluate as stage
 
     overrides = {
-        "eval.prompts": str(prompts) if prompts else None,
+        "eval.prompts": (prompts[0] if len(prompts) == 1 else list(prompts)) if prompts else None,
         "eval.target": target,
         "eval.max_new_tokens": max_new_tokens,
         "eval.temperature": temperature,
+        "eval.max_prompts": max_prompts,
+        "eval.thinking": {"on": True, "off": False}.get(thinking, thinking),
+        "eval.decoding": decoding,
     }
     cfg = load_config(config, overrides)
     drafter = drafter or stage_dir(cfg.workdir, "train")

@@ -191,9 +191,11 @@ class TrainConfig(Section):
 class EvalConfig(Section):
     # hand-written, sharing no template with any training set shipped (builtin:demo-heldout shares builtin:demo's
     # templates and overstates τ on prompts users write: 1.82 against 1.23 for the same drafter, RESULTS.md)
-    prompts: str = "builtin:chat-heldout"
+    # one source or several, each measured and reported on its own: a prompt file, a built-in set, or a standard
+    # benchmark set by name (gsm8k, math500, humaneval, mbpp, mt-bench) or as NAME=PATH (evaluate/sets.py)
+    prompts: str | Annotated[list[str], Field(min_length=1)] = "builtin:chat-heldout"
     target: str = EMBEDDED_TARGET
-    max_prompts: Positive = 50
+    max_prompts: Positive = 50  # per source
     max_new_tokens: Positive = 64
     temperature: NonNegativeFloat = 0.0
     thinking: bool = False
@@ -207,6 +209,14 @@ class EvalConfig(Section):
     # benchmarks/RESULTS.md ("near ties") give what rounding and a decoding bug measured.
     near_tie_ulps: NonNegative = 2
     seed: Seed = 0
+    # auto: on CUDA, a static KV cache with the target's and drafter's passes captured as CUDA graphs; on a CPU,
+    # the growing cache (faster there). static: the static cache on any device, and a target it cannot hold is
+    # refused instead of decoded on the growing cache (evaluate/static.py says which). dynamic: the growing cache.
+    decoding: Literal["auto", "static", "dynamic"] = "auto"
+
+    @property
+    def sources(self) -> list[str]:
+        return [self.prompts] if isinstance(self.prompts, str) else list(self.prompts)
 
 
 class PipelineConfig(Section):

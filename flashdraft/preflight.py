@@ -208,6 +208,25 @@ def check_prompts(source: str) -> Check:
     return guarded(f"prompts {source}", lambda: _prompts(source))
 
 
+def check_eval_prompts(source: str) -> Check:
+    """An eval source: a standard benchmark set is read (from the hub or its local copy) and formatted, as eval
+    will read it first; any other source is checked as generate's prompts are."""
+    from flashdraft.evaluate.sets import load_standard, split_source
+
+    name, path = split_source(source)
+    if name is None:
+        return check_prompts(source)
+
+    def standard() -> str:
+        loaded = load_standard(name, path)
+        if not loaded.prompts:
+            raise ValueError(f"none of its {len(loaded.rejected)} records formats as {name}: "
+                             f"{loaded.rejected[0].reason if loaded.rejected else 'it is empty'}")
+        return f"{len(loaded.prompts):,} prompts" + (f", {len(loaded.rejected)} unusable" if loaded.rejected else "")
+
+    return guarded(f"prompts {source}", standard)
+
+
 def _prompts(source: str) -> str:
     from flashdraft.generate.prompts import BUILTIN, builtin_prompts
 
@@ -312,7 +331,7 @@ def pipeline_checks(cfg: PipelineConfig, stages: list[str], every: bool = True) 
         checks += train_checks(cfg.train.model_copy(update={"push_to": push_to}))
     if "eval" in stages:
         checks.append(check_model(cfg.eval.target, "eval target"))
-        checks.append(check_prompts(cfg.eval.prompts))
+        checks += [check_eval_prompts(source) for source in cfg.eval.sources]
     if every or all(c.ok for c in checks):
         checks.append(_disk_for(cfg, stages))
     return checks

@@ -11,14 +11,22 @@ the two first differ, at a near-tie of the target's own logits (`divergence`: bf
 temperature > 0, drafts are accepted with probability min(1, p/q) and rejections resampled from (p − q)+, so
 every emitted token is a sample of the target's distribution.
 
-Report (`report.json`, PNG plots, manifest stats): `acceptance_length` τ (tokens per target verify pass),
-acceptance rate by block position, τ histogram, tokens/s and `speedup` against target-only decoding and
-against prompt-lookup decoding, per prompt category.
+What it decodes (evaluate/sets.py): one or more prompt sources — built-in sets, prompt files, and the public
+benchmark sets the anchors report τ on (gsm8k, math500, humaneval, mbpp, mt-bench, formatted as z-lab's benchmark
+formats them; mt-bench's second turn follows the target's own first answer). How (evaluate/static.py): on a
+static KV cache with CUDA graphs where the device and target allow, both the speculative decoding and the
+target-only baseline it is timed against.
+
+Report (`report.json`, `report.md`, PNG plots, manifest stats): per dataset and overall, `acceptance_length` τ
+(tokens per target verify pass), acceptance rate by block position, τ histogram, tokens/s and `speedup` against
+target-only decoding and against prompt-lookup decoding, lossless; per prompt category; the thinking mode,
+temperature and decoding machinery they were measured with. `report.md` (also printed) is the table of it.
 """
 
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -40,7 +48,9 @@ from flashdraft.artifact.ownership import hold_output
 from flashdraft.config import EvalConfig
 from flashdraft.errors import BadInput
 from flashdraft.evaluate.decode import SpecDecoder, divergence, target_only
-from flashdraft.evaluate.report import plot, summarize
+from flashdraft.evaluate.report import markdown_report, plot, summarize
+from flashdraft.evaluate.sets import load_eval_sets
+from flashdraft.evaluate.static import StaticSpecDecoder, cuda_graphs, static_unsupported
 from flashdraft.model.export import load_drafter
 from flashdraft.model.target import Target
 
@@ -55,15 +65,19 @@ def run(
 ) -> dict[str, Any]:
     from transformers import AutoTokenizer
 
-    from flashdraft.generate.prompts import load_prompts
     from flashdraft.model.resolve import resolve_model, stop_token_ids
 
     drafter_dir, out = Path(drafter_dir), Path(out)
     if not (drafter_dir / "config.json").is_file():
         raise BadInput(f"{drafter_dir} holds no drafter (config.json): run `flashdraft train` first")
-    prompts = load_prompts(cfg.prompts).prompts[: cfg.max_prompts]
-    if not prompts:
-        raise BadInput(f"no usable prompts in {cfg.prompts}: nothing to measure τ on")
+    sets = load_eval_sets(cfg.sources, cfg.max_prompts)
+    prompts = [prompt for each in sets for prompt in each.prompts]
+    rejected = [{**r.to_json(), "set": each.name} for each in sets for r in each.rejected]
+    for each in sets:
+        if not each.prompts:
+            raise BadInput(f"no usable prompts in {each.name}"
+                           + (f" ({len(each.rejected)} rejected: {each.rejected[0].reason})" if each.rejected else "")
+                           + ": nothing to measure τ on")
     target_path = resolve_model(target_ref or cfg.target, log=log)
     lineage = Lineage(
         inputs=[identity(drafter_dir)], config=sha256_json({"eval": cfg.model_dump(), "target": target_path})
@@ -88,7 +102,8 @@ def run(
                 f"{target_path} has {target.config.num_hidden_layers} layers"
             )
         tokenizer = AutoTokenizer.from_pretrained(target_path)
-        decoder = SpecDecoder(target, drafter, stop_token_ids(tokenizer, target.model.generation_config.eos_token_id))
+        stop_ids = stop_token_ids(tokenizer, target.model.generation_config.eos_token_id)
+        decoder, machinery = choose_decoder(cfg, target, drafter, stop_ids, log)
 
         # transformers < 5.25 marks hybrid linear-attention models stateful and its assisted generation refuses
         # them; 5.25 rolls their state back itself and runs prompt lookup on them.
@@ -96,39 +111,74 @@ def run(
         if stateful:
             log("eval: the prompt-lookup baseline is skipped: this transformers' assisted generation refuses stateful "
                 "(hybrid linear-attention) models (5.25 and later run it)")
-        per_prompt = []
         generator = torch.Generator(device=device).manual_seed(cfg.seed)
-        log(f"eval: {len(prompts)} prompts, {cfg.max_new_tokens} new tokens each, temperature {cfg.temperature}")
-        for prompt in prompts:
-            rendered = tokenizer.apply_chat_template(prompt.messages, add_generation_prompt=True, tokenize=True,
+        turns = sum(1 + len(p.follow_ups) for p in prompts)
+        log(f"eval: {len(prompts)} prompts ({turns} turns) from {len(sets)} set(s), {cfg.max_new_tokens} new tokens "
+            f"a turn, temperature {cfg.temperature}, thinking {'on' if cfg.thinking else 'off'}; decoding: {machinery}")
+
+        def render(messages: list[dict]) -> list[int]:
+            rendered = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
                                                      return_dict=True, enable_thinking=cfg.thinking)
-            ids = list(rendered["input_ids"])
-            # Interleaved per prompt, so drift in machine load hits every method alike.
-            spec = decoder.generate(ids, cfg.max_new_tokens, cfg.temperature, generator)
-            base, base_s, _ = target_only(target, ids, cfg.max_new_tokens)
-            pld, pld_s, pld_calls = ([], None, None) if stateful else target_only(target, ids, cfg.max_new_tokens,
-                                                                                  lookup=cfg.prompt_lookup_tokens)
-            diverged = divergence(target, ids, base, spec.tokens, cfg.near_tie_ulps) if cfg.temperature <= 0 else None
-            per_prompt.append({
-                "id": prompt.id, "category": prompt.category or "all", "tokens": len(spec.tokens),
-                "accepted": spec.accepted, "spec_seconds": spec.seconds, "target_seconds": base_s,
-                "target_tokens": len(base), "lookup_seconds": pld_s, "lookup_tokens": len(pld),
-                "lookup_forwards": pld_calls,
-                # a baseline is only worth its speedup if it is lossless too: greedy lookup must emit target-only's
-                "lookup_lossless": pld == base if pld_s is not None and cfg.temperature <= 0 else None,
-                "lossless": (diverged is None or diverged["near_tie"]) if cfg.temperature <= 0 else None,
-                "divergence": diverged,
-            })
+            return list(rendered["input_ids"])
+
+        if isinstance(decoder, StaticSpecDecoder) and decoder.compiled:
+            decoder, machinery = warm_up(decoder, render(prompts[0].prompt.messages), target, drafter, stop_ids, log)
+
+        per_prompt = []
+        for item in prompts:
+            messages, answer = list(item.prompt.messages), ""
+            for turn, follow_up in enumerate((None, *item.follow_ups), start=1):
+                if follow_up is not None:  # asked after the target's own answer to the turn before
+                    messages += [{"role": "assistant", "content": answer}, {"role": "user", "content": follow_up}]
+                ids = render(messages)
+                # Interleaved per prompt, so drift in machine load hits every method alike.
+                spec = decoder.generate(ids, cfg.max_new_tokens, cfg.temperature, generator)
+                if isinstance(decoder, StaticSpecDecoder):
+                    base, base_s = decoder.target_only(ids, cfg.max_new_tokens)
+                else:
+                    base, base_s, _ = target_only(target, ids, cfg.max_new_tokens)
+                pld, pld_s, pld_calls = ([], None, None) if stateful else target_only(
+                    target, ids, cfg.max_new_tokens, lookup=cfg.prompt_lookup_tokens)
+                diverged = (divergence(target, ids, base, spec.tokens, cfg.near_tie_ulps) if cfg.temperature <= 0
+                            else None)
+                answer = tokenizer.decode(spec.tokens, skip_special_tokens=True)
+                per_prompt.append({
+                    "id": item.prompt.id, "dataset": item.dataset, "turn": turn, "prompt_tokens": len(ids),
+                    "category": item.prompt.category or "all", "tokens": len(spec.tokens),
+                    "accepted": spec.accepted, "spec_seconds": spec.seconds, "target_seconds": base_s,
+                    "target_tokens": len(base), "lookup_seconds": pld_s, "lookup_tokens": len(pld),
+                    "lookup_forwards": pld_calls,
+                    # a baseline is only worth its speedup if it is lossless too: greedy lookup must emit
+                    # target-only's tokens (up to the first stop token, where the baseline stops)
+                    "lookup_lossless": (until_stop(pld, stop_ids) == until_stop(base, stop_ids)
+                                        if pld_s is not None and cfg.temperature <= 0 else None),
+                    "lossless": (diverged is None or diverged["near_tie"]) if cfg.temperature <= 0 else None,
+                    "divergence": diverged,
+                })
 
         report = summarize(per_prompt, drafter.block_size, cfg)
-        # the type greedy output was compared in
+        # the type greedy output was compared in, and the machinery both decodings ran on
         report["target_dtype"] = str(target.model.dtype).removeprefix("torch.")
+        report["decoding"] = machinery
+        report["rejected"] = len(rejected)
+        table = markdown_report(report)
         stats = {key: report[key] for key in ("acceptance_length", "lossless", "speedup", "speedup_per_prompt",
                                               "lookup_acceptance_length", "lookup_speedup", "lookup_lossless",
-                                              "prompts", "tokens_per_s", "target_dtype", "near_ties")}
+                                              "prompts", "tokens_per_s", "target_dtype", "near_ties", "decoding",
+                                              "rejected")}
+        stats["by_dataset"] = {name: {key: block[key] for key in ("acceptance_length", "speedup", "lossless",
+                                                                   "prompts")}
+                               for name, block in report["by_dataset"].items()}
         with commit_dir(out, "eval", stats=stats, lineage=lineage) as building:  # its own files, renamed in whole
             atomic_write_text(building / "report.json", json.dumps({**report, "prompts": per_prompt}, indent=1))
+            atomic_write_text(building / "report.md", table)
+            if rejected:
+                atomic_write_text(building / "rejected.jsonl", "".join(json.dumps(r) + "\n" for r in rejected))
             plot(report, building)
+    for line in table.rstrip("\n").split("\n"):
+        log(line)
+    if rejected:
+        log(f"eval: {len(rejected)} records could not be formatted; reasons in {out / 'rejected.jsonl'}")
     per = report["speedup_per_prompt"]
     checked = (f"lossless {report['lossless']} ({report['target_dtype']} target{lossless_detail(report, per_prompt)})"
                if report["lossless"] is not None else
@@ -141,6 +191,46 @@ def run(
            if report["lookup_speedup"] is not None else "not measured")
     )
     return stats
+
+
+def choose_decoder(cfg: EvalConfig, target: Target, drafter, stop_ids: set[int],
+                   log: Callable[[str], None]) -> tuple[SpecDecoder, str]:
+    """The decoder `eval.decoding` asks for and the target allows, and the words the report says it with."""
+    if cfg.decoding == "dynamic":
+        return SpecDecoder(target, drafter, stop_ids), "growing KV cache (eval.decoding: dynamic)"
+    why = static_unsupported(target)
+    if why is not None:
+        if cfg.decoding == "static":
+            raise BadInput(f"eval.decoding is static, but the static KV cache cannot hold {target.path}: {why}")
+        log(f"eval: decoding on the growing KV cache, without CUDA graphs: {why}")
+        return SpecDecoder(target, drafter, stop_ids), f"growing KV cache ({why})"
+    if target.lm_head.weight.device.type == "cuda":
+        return StaticSpecDecoder(target, drafter, stop_ids, compiler=cuda_graphs), "static KV cache, CUDA graphs"
+    if cfg.decoding == "auto":  # measured: on a CPU every pass attending over all reserved positions costs 10-20 %
+        return SpecDecoder(target, drafter, stop_ids), "growing KV cache (on a CPU, where it is the faster)"
+    return StaticSpecDecoder(target, drafter, stop_ids), "static KV cache (CUDA graphs only on a GPU)"
+
+
+def warm_up(decoder: StaticSpecDecoder, ids: list[int], target: Target, drafter, stop_ids: set[int],
+            log: Callable[[str], None]) -> tuple[SpecDecoder, str]:
+    """Capture every graph before anything is timed (a first prompt would otherwise pay for compilation). Where
+    capture fails, the static cache runs without graphs and the report says so."""
+    started = time.perf_counter()
+    try:
+        decoder.generate(ids, 3 * drafter.block_size)
+        decoder.target_only(ids, 4)
+    except Exception as e:  # a torch.compile failure has many types; none may cost the eval
+        why = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
+        log(f"eval: capturing CUDA graphs failed ({why}); decoding on the static cache without them")
+        return StaticSpecDecoder(target, drafter, stop_ids), f"static KV cache (CUDA graphs failed: {why})"
+    log(f"eval: CUDA graphs captured in {time.perf_counter() - started:.0f} s")
+    return decoder, "static KV cache, CUDA graphs"
+
+
+def until_stop(tokens: list[int], stop_ids: set[int]) -> list[int]:
+    """Tokens up to and including the first stop token, where speculative decoding stops too."""
+    at = next((i for i, t in enumerate(tokens) if t in stop_ids), None)
+    return tokens if at is None else tokens[: at + 1]
 
 
 def lossless_detail(report: dict[str, Any], per_prompt: list[dict]) -> str:

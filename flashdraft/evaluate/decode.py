@@ -135,6 +135,13 @@ class Decoding:
     tokens: list[int]
     accepted: list[int] = field(default_factory=list)
 
+    def emit(self, emitted: list[int]) -> list[int]:
+        """A step's accepted drafts and the target's own next token, the new anchor."""
+        self.tokens.extend(emitted)
+        self.accepted.append(len(emitted) - 1)
+        self.position, self.anchor = self.position + len(emitted), emitted[-1]
+        return emitted
+
 
 class SpecDecoder:
     """Speculative decoding of one prompt at a time with a DFlash or DFlash2 drafter over the frozen target."""
@@ -197,16 +204,13 @@ class SpecDecoder:
         block[0, 1:] = drafts
         snapshot = state.cache.snapshot(k)
         target_logits, features = self._target_pass(block, state.cache.cache)
-        n, bonus = _verify(drafts, q, target_logits[0], temperature, sampler)
+        emitted = _verify(drafts, q, target_logits[0], temperature, sampler)
+        n = len(emitted) - 1
         state.cache.keep(block, n + 1, snapshot, self._target_pass)  # the anchor and the accepted drafts
         new_kv = self.drafter.context_kv(features[:, : n + 1], positions[:, : n + 1])
         state.ctx_kv = [(torch.cat([k0, k1], dim=2), torch.cat([v0, v1], dim=2))
                         for (k0, v0), (k1, v1) in zip(state.ctx_kv, new_kv, strict=True)]
-        emitted = drafts[:n].tolist() + [bonus]
-        state.tokens.extend(emitted)
-        state.accepted.append(n)
-        state.position, state.anchor = state.position + n + 1, bonus
-        return emitted
+        return state.emit(emitted)
 
     def _draft(self, hidden_KD, anchor: int, temperature: float, sampler: Sampler):
         """The K−1 drafts of a block, and at T > 0 the distribution q each was drawn from (for verification).
@@ -236,21 +240,23 @@ def _pick(logits: torch.Tensor, temperature: float, sampler: Sampler) -> int:
     return sampler.token(torch.softmax(logits.float() / temperature, dim=-1))
 
 
-def _verify(drafts, q, target_logits, temperature: float, sampler: Sampler) -> tuple[int, int]:
-    """(accepted drafts n, bonus token). target_logits[j] is the target's distribution for block position j+1;
-    q[j] the distribution draft j was drawn from (T > 0)."""
+def _verify(drafts, q, target_logits, temperature: float, sampler: Sampler) -> list[int]:
+    """The tokens a step emits: the accepted drafts, then the bonus token. target_logits[j] is the target's
+    distribution for block position j+1; q[j] the distribution draft j was drawn from (T > 0). Greedy, the host
+    waits on the device once: the accepted count and the target's own tokens come back in one read (the accepted
+    drafts are the target's own tokens up to the first mismatch)."""
     if temperature <= 0:
         predicted = target_logits.argmax(-1)
-        matches = (drafts == predicted[:-1]).int()
-        n = int(matches.cumprod(0).sum())
-        return n, int(predicted[n])
+        n = (drafts == predicted[:-1]).int().cumprod(0).sum()
+        read = torch.cat([n[None], predicted]).tolist()
+        return read[1 : read[0] + 2]
     p = torch.softmax(target_logits.float() / temperature, dim=-1)
     for j, token in enumerate(drafts.tolist()):
         if sampler.accept(min(1.0, float(p[j, token] / q[j, token]))):
             continue
         residual = (p[j] - q[j]).clamp(min=0)  # rejected: resample from where the target wants more than q gave
-        return j, sampler.token(residual / residual.sum() if residual.sum() > 0 else p[j])
-    return len(drafts), sampler.token(p[-1])
+        return drafts[:j].tolist() + [sampler.token(residual / residual.sum() if residual.sum() > 0 else p[j])]
+    return drafts.tolist() + [sampler.token(p[-1])]
 
 
 # ------------------------------------------------------------------------------------- the lossless check

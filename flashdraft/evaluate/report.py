@@ -26,8 +26,11 @@ def summarize(per_prompt: list[dict], block_size: int, cfg: EvalConfig) -> dict[
         lossless = [r["lossless"] for r in rows if r["lossless"] is not None]
         lookup_lossless = [r["lookup_lossless"] for r in rows if r["lookup_lossless"] is not None]
         return {
-            "prompts": len(rows),
+            "prompts": len(rows),  # decoded turns: mt-bench's prompts count twice
             "acceptance_length": acceptance_length(steps),
+            # z-lab's benchmark averages each turn's own τ (a short answer weighs as much as a long one)
+            "acceptance_length_mean_per_turn": statistics.fmean(
+                [acceptance_length(r["accepted"]) for r in rows if r["accepted"]] or [0.0]),
             "acceptance_length_from_rates": expected_acceptance_length(conditional),
             "acceptance_by_position": [round(x, 4) for x in by_position],
             "tau_histogram": dict(sorted(Counter(n + 1 for n in steps).items())),
@@ -48,13 +51,38 @@ def summarize(per_prompt: list[dict], block_size: int, cfg: EvalConfig) -> dict[
         }
 
     report = block(per_prompt)
-    categories = defaultdict(list)
+    datasets, categories = defaultdict(list), defaultdict(list)
     for row in per_prompt:
+        datasets[row.get("dataset", "prompts")].append(row)
         categories[row["category"]].append(row)
+    report["by_dataset"] = {name: block(rows) for name, rows in datasets.items()}  # in the order given
     if len(categories) > 1:
         report["by_category"] = {name: block(rows) for name, rows in sorted(categories.items())}
     report["config"] = cfg.model_dump()
     return report
+
+
+def markdown_report(report: dict[str, Any]) -> str:
+    """The per-dataset τ table (report.md, and what eval prints), with what it was measured under."""
+    cfg = report["config"]
+    lossless = {True: "yes", False: "**no**", None: "not checked (sampled)"}
+    lines = [
+        f"τ by dataset — thinking {'on' if cfg['thinking'] else 'off'}, temperature {cfg['temperature']}, "
+        f"up to {cfg['max_new_tokens']} new tokens a turn, {report['target_dtype']} target, "
+        f"decoding: {report['decoding']}",
+        "",
+        "| dataset | turns | τ | τ, mean per turn | acceptance by position 1…K−1 | speedup | lossless |",
+        "|---|---:|---:|---:|---|---:|---|",
+    ]
+    rows = list(report["by_dataset"].items())
+    if len(rows) > 1:
+        rows.append(("**all**", report))
+    for name, block in rows:
+        positions = " ".join(f"{x:.2f}" for x in block["acceptance_by_position"])
+        lines.append(f"| {name} | {block['prompts']} | {block['acceptance_length']:.2f} | "
+                     f"{block['acceptance_length_mean_per_turn']:.2f} | {positions} | {block['speedup']:.2f}× | "
+                     f"{lossless[block['lossless']]} |")
+    return "\n".join(lines) + "\n"
 
 
 def spread(ratios: list[float]) -> dict[str, float] | None:

@@ -145,8 +145,14 @@ class Attention(nn.Module):
         k = self.k_norm(self.k_proj(x_BSD).view(b, s, self.kv_heads, self.head_dim)).transpose(1, 2)
         v = self.v_proj(x_BSD).view(b, s, self.kv_heads, self.head_dim).transpose(1, 2)
         q, k = rotate(q, *rope_block), rotate(k, *rope_block)
-        k_ctx, v_ctx = ctx_kv
-        k, v = torch.cat([k_ctx, k], dim=2), torch.cat([v_ctx, v], dim=2)
+        if len(ctx_kv) == 3:  # eval's preallocated buffers: the block written in place right after the context
+            k_buf, v_buf, slots = ctx_kv
+            k_buf.index_copy_(2, slots, k)
+            v_buf.index_copy_(2, slots, v)
+            k, v = k_buf, v_buf  # the mask hides what lies past the block (evaluate/static.py)
+        else:
+            k_ctx, v_ctx = ctx_kv
+            k, v = torch.cat([k_ctx, k], dim=2), torch.cat([v_ctx, v], dim=2)
         gqa = self.heads != self.kv_heads
         if allowed_BSX is not None and not isinstance(allowed_BSX, torch.Tensor):  # a FlexAttention BlockMask
             out = flex_attention(q.device.type)(q, k, v, block_mask=allowed_BSX, enable_gqa=gqa)

@@ -10,6 +10,7 @@ import torch
 from flashdraft.artifact.manifest import build_manifest, write_manifest
 from flashdraft.config import TrainConfig
 from flashdraft.evaluate.decode import SpecDecoder, TargetCache, counted_forwards
+from flashdraft.evaluate.static import StaticSpecDecoder, static_unsupported
 from flashdraft.model.dflash2 import DFlash2Drafter, dflash2_config
 from flashdraft.model.drafter import DFlashDrafter, draft_config
 from flashdraft.model.export import load_drafter, save_drafter
@@ -133,6 +134,9 @@ def test_speculative_decoding_is_lossless_on_every_target_kind(target_dir, tmp_p
     # One target pass per verify step (plus the prefill); a hybrid on transformers < 5.25 pays one more after each
     # rejection (its snapshot rollback re-advances), from 5.25 none (the cache records per-token states).
     extra_pass_on_rejection = "qwen3_5" in target_dir and not TargetCache(target.config).records_states
+    # the static cache (evaluate/static.py) holds every kind but the hybrids, which decode on the growing cache
+    static = None if static_unsupported(target) else StaticSpecDecoder(target, loaded, stop_ids=stops)
+    assert (static is None) == ("qwen3_5" in target_dir)
     accepted = []
     for prompt in (PROMPT, PROMPT[:7], [9, 9, 1, 4, 100, 2], [70, 3, 3, 51]):
         calls, handle = counted_forwards(target)
@@ -141,6 +145,9 @@ def test_speculative_decoding_is_lossless_on_every_target_kind(target_dir, tmp_p
         assert spec.tokens == greedy(target, prompt, 40), prompt
         rejections = sum(n < 7 for n in spec.accepted)
         assert calls[0] == 1 + len(spec.accepted) + (rejections if extra_pass_on_rejection else 0)
+        if static is not None:
+            fixed = static.generate(prompt, 40)
+            assert (fixed.tokens, fixed.accepted) == (spec.tokens, spec.accepted), prompt
         accepted += spec.accepted
     assert sum(n + 1 for n in accepted) / len(accepted) > 1.0  # τ over the prompts
     assert any(n < 7 for n in accepted), accepted  # drafts were rejected too

@@ -1,0 +1,140 @@
+"""What eval measures τ on: built-in sets, prompt files, and the public benchmark sets the anchors report.
+
+    flashdraft eval --prompts gsm8k --prompts mt-bench=data/mt_bench.jsonl --prompts builtin:chat-heldout
+
+A source is one of:
+- a standard set's name (`gsm8k`, `math500`, `humaneval`, `mbpp`, `mt-bench`; standard_sets.yaml): the public
+  dataset through `datasets.load_dataset`, formatted as z-lab's benchmark script formats it;
+- `NAME=PATH`: the same set from a local JSONL / Parquet file or `save_to_disk` directory in the dataset's own
+  schema and field names (for machines that cannot reach the hub): the same formatting, the same code after the
+  rows are read;
+- anything else: a prompt file or `builtin:` set, read as `generate` reads prompts.
+
+`eval.max_prompts` applies to each source. A standard set larger than that is cut as z-lab's benchmark cuts it
+(`--max-samples N`: Python's `random.seed(0)`, then `random.shuffle`, then the first N), so the same N selects
+the same prompts; other sources keep their first N. Records a set cannot format are returned with the reason.
+"""
+
+from __future__ import annotations
+
+import functools
+import random
+from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from flashdraft.errors import BadInput
+from flashdraft.generate.prompts import Prompt, Rejected, load_prompts, read_records
+from flashdraft.records import prompt_id
+
+
+@dataclass(frozen=True)
+class EvalPrompt:
+    dataset: str  # the source's name in the report: a standard set's name, or the source as given
+    prompt: Prompt  # its first user turn (with any history the record carries)
+    follow_ups: tuple[str, ...] = ()  # later user turns, each asked after the target's own answer
+
+
+@dataclass
+class EvalSet:
+    name: str
+    prompts: list[EvalPrompt]
+    rejected: list[Rejected]
+
+
+@functools.cache
+def standard_sets() -> dict[str, dict[str, Any]]:
+    return yaml.safe_load(resources.files("flashdraft.evaluate").joinpath("standard_sets.yaml").read_text("utf-8"))
+
+
+def split_source(source: str) -> tuple[str | None, str | None]:
+    """(standard set name, local path or None) for a standard-set source; (None, None) for any other."""
+    name, sep, path = source.partition("=")
+    if name in standard_sets():
+        return name, (path if sep else None)
+    return None, None
+
+
+def load_eval_sets(sources: list[str], max_prompts: int) -> list[EvalSet]:
+    names = [split_source(source)[0] or source for source in sources]
+    if len(set(names)) < len(names):
+        raise BadInput(f"a prompt set is named twice in {sources}: each set is measured once")
+    out = []
+    for source in sources:
+        name, path = split_source(source)
+        if name is None:
+            loaded = load_prompts(source)
+            prompts = [EvalPrompt(source, p) for p in loaded.prompts[:max_prompts]]
+            out.append(EvalSet(source, prompts, loaded.rejected))
+        else:
+            out.append(load_standard(name, path, max_prompts))
+    return out
+
+
+def load_standard(name: str, path: str | None, max_prompts: int | None = None) -> EvalSet:
+    spec = standard_sets()[name]
+    rows = list(_rows(name, spec, path))
+    if max_prompts is not None and len(rows) > max_prompts:
+        random.Random(0).shuffle(rows)  # z-lab's subset for --max-samples N (its benchmark seeds 0, then shuffles)
+        rows = rows[:max_prompts]
+    prompts, rejected = [], []
+    for number, record in rows:
+        try:
+            turns = _turns(spec, record)
+        except ValueError as e:
+            rejected.append(Rejected(number, f"{name}: {e}", "" if isinstance(record, Exception) else str(record)))
+            continue
+        messages = [{"role": "user", "content": turns[0]}]
+        category = record.get(spec["category"]) if "category" in spec else None
+        prompt = Prompt(prompt_id([{"role": "user", "content": t} for t in turns]), messages,
+                        category if isinstance(category, str) else None)
+        prompts.append(EvalPrompt(name, prompt, tuple(turns[1:])))
+    return EvalSet(name, prompts, rejected)
+
+
+def _rows(name: str, spec: dict[str, Any], path: str | None):
+    """(row number, record) in the dataset's own order, from the hub or a local copy."""
+    if path is None:
+        from datasets import load_dataset
+
+        hub = spec["hub"]
+        try:
+            rows = load_dataset(*hub, split=spec["split"])
+        except Exception as e:  # offline, a wrong name, a hub outage: all the same to the user
+            raise BadInput(f"{name}: cannot load {_hub_name(spec)} from the hub "
+                           f"({type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else 'no detail'}); "
+                           f"copy it where this machine can read it and pass --prompts {name}=PATH") from None
+        yield from enumerate(rows, start=1)
+        return
+    if not Path(path).exists():
+        raise BadInput(f"{name}: {path} not found (a JSONL / Parquet file or save_to_disk directory in "
+                       f"{spec['hub'][0]}'s own schema)")
+    for number, record, _ in read_records(path):
+        yield number, record  # a line that is not JSON comes as its BadRecord, rejected with the others
+
+
+def _hub_name(spec: dict[str, Any]) -> str:
+    """openai/gsm8k (main, test): the dataset, its configuration and split."""
+    return f"{spec['hub'][0]} ({', '.join([*spec['hub'][1:], spec['split']])})"
+
+
+def _turns(spec: dict[str, Any], record: Any) -> list[str]:
+    if isinstance(record, Exception):
+        raise ValueError(str(record))
+    if not isinstance(record, dict):
+        raise ValueError(f"record is a {type(record).__name__}, not an object")
+    if "turns" in spec:
+        turns = record.get(spec["turns"])
+        if not isinstance(turns, list) or not turns or not all(isinstance(t, str) and t.strip() for t in turns):
+            raise ValueError(f"`{spec['turns']}` must be a non-empty list of non-empty strings")
+        return turns
+    try:
+        text = spec["turn"].format_map(record)
+    except KeyError as e:
+        raise ValueError(f"no `{e.args[0]}` field (has: {', '.join(sorted(record)) or 'none'})") from None
+    if not text.strip():
+        raise ValueError("the formatted turn is empty")
+    return [text]
