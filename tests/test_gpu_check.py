@@ -26,3 +26,23 @@ def test_gpu_check_runs_end_to_end_in_its_tiny_cpu_form():
     assert result["eval"]["lossless"] is True and result["eval"]["tau"] >= 1.0
     assert result["eval"]["divergence"] is None  # float32 on a CPU: token for token
     assert "lossless True (token for token)" in proc.stdout
+
+
+def test_gpu_eval_runs_end_to_end_in_its_tiny_cpu_form():
+    """benchmarks/gpu_eval.sh: both decoding machineries against the bound, eval's own per-dataset table, and the
+    CLI's training step beside the isolated one with its profile."""
+    proc = subprocess.run(["bash", str(ROOT / "benchmarks" / "gpu_eval.sh"), "--tiny", "--json"], capture_output=True,
+                          text=True, timeout=300, env={"PYTHON": sys.executable, "PATH": "/usr/bin:/bin"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert [(r["shape"], r["machinery"]) for r in result["decode"]] == [
+        ("tiny-a", "growing cache, eager"), ("tiny-a", "static cache"),
+        ("tiny-b", "growing cache, eager"), ("tiny-b", "static cache")]
+    for r in result["decode"]:
+        assert r["token_ms"] > r["bound_ms"] > 0 and r["launches_per_token"] > 0 and r["step_in_tokens"] > 0
+        assert r["tau"] >= 1.0
+    assert set(result["eval"]["by_dataset"]) == {"gsm8k", "mt-bench"} and result["eval"]["lossless"] is True
+    assert "| gsm8k | 3 |" in proc.stdout and "| mt-bench | 6 |" in proc.stdout  # both of mt-bench's turns
+    train = result["train"]
+    assert train["cli_tokens_per_s"] > 0 and 0 < train["ratio"] and train["profile"]["top"]
+    assert "CLI / isolated" in proc.stdout and "| operator | self ms | calls |" in proc.stdout

@@ -1,0 +1,286 @@
+"""GPU eval check: decoding against the bandwidth bound, eval's own per-dataset report, and the CLI's training
+step beside the isolated one.
+
+    bash benchmarks/gpu_eval.sh            # one H200, ≤ 6 minutes, nothing downloaded
+    bash benchmarks/gpu_eval.sh --tiny     # the same code on CPU with tiny shapes (what the tests run)
+
+Targets are random-weight Qwen3 models built in memory (benchmarks/gpu_check.py's shapes: Qwen3-0.6B and
+Qwen3-8B, bf16); the drafter is untrained (5 layers, block 16), so τ ≈ 1 and a step's cost is what is measured.
+
+1. Decoding, for each shape and each machinery eval has — the growing cache (eager, `generate` for target-only)
+   and the static cache (with CUDA graphs on a GPU): target-only milliseconds a token beside the bound (the
+   weights' bytes ÷ a copy bandwidth measured here: a copy moves its bytes twice), host launches a token (CUDA
+   runtime launch calls; on a CPU, aten ops), and a speculative step's cost in target tokens at τ 1.
+2. `flashdraft.evaluate.run` itself on the first shape saved to disk (SmolLM2's tokenizer and vocabulary, for a
+   chat template), over the local GSM8K and MT-Bench copies in tests/assets/benchmarks: its τ table.
+3. `flashdraft train` through the CLI for a few steps (online features) against gpu_check's isolated step at the
+   same shape, sequence length and anchors, with the target's forward added to it; then the same training under
+   torch.profiler: the operators where the CLI's time goes, and how busy the device was.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+import gpu_check  # noqa: E402  (benchmarks/ is a folder of scripts, not a package)
+
+ROOT = Path(__file__).resolve().parents[1]
+ASSETS = ROOT / "tests" / "assets" / "benchmarks"
+LAUNCHES = {"cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx", "cudaGraphLaunch",
+            "cudaMemcpyAsync", "cudaMemsetAsync"}
+
+
+def copy_bandwidth(device: str, nbytes: int) -> float:
+    """Bytes a second a device-to-device copy moves (read and write both counted)."""
+    src = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    gpu_check.sync(device)
+    started = time.perf_counter()
+    for _ in range(5):
+        dst.copy_(src)
+    gpu_check.sync(device)
+    return 2 * nbytes * 5 / (time.perf_counter() - started)
+
+
+def launches(fn, device: str) -> int:
+    """Host launches while `fn` runs: CUDA runtime launch calls (a replayed graph is one), or aten ops on a CPU."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
+    with profile(activities=activities) as prof:
+        fn()
+        gpu_check.sync(device)
+    if device == "cuda":
+        return sum(1 for e in prof.events() if e.name in LAUNCHES)
+    return sum(1 for e in prof.events() if e.name.startswith("aten::") and e.cpu_parent is None)
+
+
+def decode_check(name: str, shape: dict, args, device: str, dtype, bandwidth: float) -> list[dict]:
+    from flashdraft.evaluate.decode import SpecDecoder, target_only
+    from flashdraft.evaluate.static import StaticSpecDecoder, cuda_graphs
+    from flashdraft.model.drafter import DFlashDrafter, draft_config
+
+    torch.manual_seed(0)
+    target = gpu_check.build_target(shape, device, dtype)
+    drafter = DFlashDrafter(draft_config(target.config, num_layers=5, block_size=16, mask_token_id=0))
+    drafter = drafter.to(device=device, dtype=dtype).eval()
+    weight_bytes = sum(p.numel() * p.element_size() for p in target.model.parameters())
+    bound_ms = weight_bytes / bandwidth * 1e3
+    prompt = torch.randint(1, shape["vocab_size"], (args.prompt_len,)).tolist()
+    n = args.new_tokens
+
+    def growing_target_only(tokens: int):
+        out, seconds, _ = target_only(target, prompt, tokens)
+        return out, seconds
+
+    static = StaticSpecDecoder(target, drafter, set(), compiler=cuda_graphs if device == "cuda" else None)
+
+    def static_target_only(tokens: int):
+        return static.target_only(prompt, tokens)
+
+    machineries = [("growing cache, eager", SpecDecoder(target, drafter, set()), growing_target_only),
+                   ("static cache" + (", CUDA graphs" if device == "cuda" else ""), static,
+                    static_target_only)]
+    rows = []
+    for label, decoder, baseline in machineries:
+        started = time.perf_counter()
+        decoder.generate(prompt, 3 * drafter.block_size)  # warm-up: captures the graphs where there are some
+        baseline(9)
+        warm_s = time.perf_counter() - started
+        tokens, seconds = baseline(n)
+        token_ms = seconds / len(tokens) * 1e3
+        spec = decoder.generate(prompt, n)
+        step_ms = spec.seconds / max(1, len(spec.accepted)) * 1e3
+        per_token = (launches(lambda b=baseline: b(17), device) - launches(lambda b=baseline: b(1), device)) / 16
+        rows.append({"shape": name, "machinery": label, "token_ms": token_ms, "bound_ms": bound_ms,
+                     "x_bound": token_ms / bound_ms, "launches_per_token": per_token, "step_ms": step_ms,
+                     "step_in_tokens": step_ms / token_ms, "tau": spec.acceptance_length, "warm_up_s": warm_s,
+                     "weight_gb": weight_bytes / 1e9})
+    return rows
+
+
+def save_target(shape: dict, path: Path, dtype) -> None:
+    """A random-weight Qwen3 of `shape` with SmolLM2's tokenizer and vocabulary (for a chat template)."""
+    from transformers import AutoTokenizer, Qwen3Config, Qwen3ForCausalLM
+
+    from flashdraft.model.resolve import resolve_model
+
+    tokenizer = AutoTokenizer.from_pretrained(resolve_model("embedded", log=lambda s: None))
+    config = Qwen3Config(**{**shape, "vocab_size": len(tokenizer)}, max_position_embeddings=40_960,
+                         rope_theta=1_000_000.0, tie_word_embeddings=False, eos_token_id=tokenizer.eos_token_id,
+                         bos_token_id=tokenizer.bos_token_id)
+    torch.manual_seed(0)
+    Qwen3ForCausalLM(config).to(dtype).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+
+
+def eval_report(target_dir: Path, work: Path, args) -> dict:
+    from flashdraft.config import EvalConfig
+    from flashdraft.evaluate import run
+    from flashdraft.model.drafter import DFlashDrafter, draft_config
+    from flashdraft.model.export import save_drafter
+    from flashdraft.model.target import Target
+
+    target = Target(str(target_dir), "cpu", lambda s: None)
+    torch.manual_seed(0)
+    save_drafter(DFlashDrafter(draft_config(target.config, num_layers=5, block_size=16, mask_token_id=0)),
+                 work / "drafter")
+    del target
+    cfg = EvalConfig(prompts=[f"gsm8k={ASSETS / 'gsm8k.jsonl'}", f"mt-bench={ASSETS / 'mt-bench.jsonl'}"],
+                     target=str(target_dir), max_new_tokens=args.eval_tokens, max_prompts=3)
+    lines: list[str] = []
+    stats = run(cfg, work / "drafter", work / "eval", log=lines.append)
+    return {"stats": stats, "table": (work / "eval" / "report.md").read_text()}
+
+
+def write_dataset(path: Path, vocab: int, sequences: int, length: int) -> None:
+    from datasets import Dataset
+
+    from flashdraft.artifact.manifest import build_manifest, write_manifest
+
+    g = torch.Generator().manual_seed(0)
+    ids = [torch.randint(1, vocab, (length,), generator=g).tolist() for _ in range(sequences)]
+    Dataset.from_dict({"id": [str(i) for i in range(sequences)], "input_ids": ids,
+                       "loss_mask": [[0] * 16 + [1] * (length - 16)] * sequences,
+                       "num_tokens": [length] * sequences}).save_to_disk(str(path))
+    write_manifest(path, build_manifest(path, kind="dataset"))
+
+
+def train_check(name: str, shape: dict, target_dir: Path, work: Path, args, device: str, dtype) -> dict:
+    """The CLI's step (online features, batch of `batch` sequences) against the isolated step for one sequence
+    plus the target's forward over it, both as block tokens a second."""
+    from transformers import AutoConfig
+
+    vocab = AutoConfig.from_pretrained(target_dir).vocab_size
+    write_dataset(work / "data", vocab, args.batch * (args.train_steps + 2), args.seq_len)
+    settings = {"target": str(target_dir), "max_steps": args.train_steps, "batch_size": args.batch,
+                "micro_batch": args.batch, "max_anchors": args.anchors, "max_length": args.seq_len,
+                "checkpoint_every": 10_000, "eval_samples": 1}
+    config = work / "train.yaml"
+    config.write_text(json.dumps({"train": settings}))
+    proc = subprocess.run([sys.executable, "-m", "flashdraft", "train", "--config", str(config), "--data",
+                           str(work / "data"), "--out", str(work / "train")], capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise SystemExit(f"flashdraft train failed:\n{proc.stderr[-3000:]}")
+    metrics = [json.loads(line) for line in (work / "train" / "metrics.jsonl").read_text().splitlines()
+               if line.strip()]
+    steps = [m["tokens_per_s"] for m in metrics if "tokens_per_s" in m][1:]  # the first step compiles
+    cli = statistics.median(steps)
+
+    torch.manual_seed(0)
+    target = gpu_check.build_target({**shape, "vocab_size": vocab}, device, dtype)
+    isolated = gpu_check.train_step_check(name, target, "flex" if device == "cuda" else "sdpa", args, device,
+                                          "decay", "adamw")
+    ids = torch.randint(1, vocab, (1, args.seq_len), device=device)
+    target.watch([1])
+    target.features(ids)
+    gpu_check.sync(device)
+    started = time.perf_counter()
+    for _ in range(3):
+        target.features(ids)
+    gpu_check.sync(device)
+    forward_s = (time.perf_counter() - started) / 3
+    block_tokens = isolated["tokens_per_s"] * isolated["step_ms"] / 1e3
+    with_target = block_tokens / (isolated["step_ms"] / 1e3 + forward_s)
+    del target
+    return {"shape": name, "cli_tokens_per_s": cli, "isolated_tokens_per_s": isolated["tokens_per_s"],
+            "isolated_with_target_tokens_per_s": with_target, "ratio": cli / with_target,
+            "target_forward_ms": forward_s * 1e3, "profile": train_profile(settings, work, device)}
+
+
+def train_profile(settings: dict, work: Path, device: str) -> dict:
+    """The same training in this process under torch.profiler: the operators that take its time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from flashdraft.config import TrainConfig
+    from flashdraft.train import run
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
+    cfg = TrainConfig(**{**settings, "max_steps": 3})
+    started = time.perf_counter()
+    with profile(activities=activities) as prof:
+        run(cfg, work / "data", work / "profiled", log=lambda s: None)
+        gpu_check.sync(device)
+    wall = time.perf_counter() - started
+    key = "self_device_time_total" if device == "cuda" else "self_cpu_time_total"
+    averages = prof.key_averages()
+    busy = sum(getattr(e, key) for e in averages) / 1e6 if device == "cuda" else None
+    top = sorted(averages, key=lambda e: getattr(e, key), reverse=True)[:12]
+    return {"wall_s": wall, "device_busy": busy / wall if busy is not None else None,
+            "top": [{"op": e.key, "ms": getattr(e, key) / 1e3, "calls": e.count} for e in top]}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--tiny", action="store_true", help="tiny shapes on CPU: the same code, in seconds")
+    ap.add_argument("--prompt-len", type=int, default=256)
+    ap.add_argument("--new-tokens", type=int, default=128)
+    ap.add_argument("--eval-tokens", type=int, default=128)
+    ap.add_argument("--seq-len", type=int, default=2048)
+    ap.add_argument("--anchors", type=int, default=512)
+    ap.add_argument("--batch", type=int, default=4)
+    ap.add_argument("--train-steps", type=int, default=6)
+    ap.add_argument("--steps", type=int, default=5, help="timed isolated steps")
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--peak-tflops", type=float, default=989.0)
+    ap.add_argument("--json", action="store_true", help="also print the results as one JSON object")
+    args = ap.parse_args()
+    import torch._dynamo
+
+    torch._dynamo.config.recompile_limit = 64  # several targets and shapes run through the same compiled passes
+    if args.tiny:
+        args.prompt_len, args.new_tokens, args.eval_tokens = 16, 24, 8
+        args.seq_len, args.anchors, args.batch, args.train_steps, args.steps, args.warmup = 96, 8, 2, 3, 2, 1
+    device = "cpu" if args.tiny or not torch.cuda.is_available() else "cuda"
+    dtype = torch.float32 if device == "cpu" else torch.bfloat16
+    shapes = gpu_check.TINY if args.tiny else gpu_check.SHAPES
+    gpu = torch.cuda.get_device_name() if device == "cuda" else "CPU"
+
+    bandwidth = copy_bandwidth(device, (16 << 20) if args.tiny else (2 << 30))
+    decode = [row for name, shape in shapes.items() for row in decode_check(name, shape, args, device, dtype,
+                                                                           bandwidth)]
+    first = next(iter(shapes))
+    with tempfile.TemporaryDirectory(prefix="gpu-eval-") as tmp:
+        work = Path(tmp)
+        save_target(shapes[first], work / "target", dtype)
+        report = eval_report(work / "target", work, args)
+        train = train_check(first, shapes[first], work / "target", work, args, device, dtype)
+
+    print(f"\n{gpu}, torch {torch.__version__}, copy bandwidth {bandwidth / 1e12:.2f} TB/s, prompt "
+          f"{args.prompt_len} tokens, {args.new_tokens} new, untrained drafter (5 layers, block 16)")
+    print("| target shape | machinery | target-only ms/token | bound ms | × bound | launches/token | "
+          "step ms (τ 1) | step in target tokens |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+    for r in decode:
+        print(f"| {r['shape']} | {r['machinery']} | {r['token_ms']:.2f} | {r['bound_ms']:.3f} | "
+              f"{r['x_bound']:.1f} | {r['launches_per_token']:.0f} | {r['step_ms']:.2f} | {r['step_in_tokens']:.2f} |")
+    print(f"\neval's own report ({first}-shaped target, SmolLM2's vocabulary, random weights):\n")
+    print(report["table"])
+    print(f"train ({first}, {args.seq_len}-token sequences, {args.anchors} anchors, batch {args.batch}): the CLI "
+          f"{train['cli_tokens_per_s']:,.0f} block tokens/s; isolated {train['isolated_tokens_per_s']:,.0f}, with "
+          f"the target's forward ({train['target_forward_ms']:.1f} ms a sequence) "
+          f"{train['isolated_with_target_tokens_per_s']:,.0f}: CLI / isolated = {train['ratio']:.2f}")
+    profile = train["profile"]
+    busy = f", device busy {profile['device_busy']:.0%} of it" if profile["device_busy"] is not None else ""
+    print(f"where a 3-step CLI training run's time goes ({profile['wall_s']:.1f} s wall{busy}):")
+    print("| operator | self ms | calls |")
+    print("| --- | --- | --- |")
+    for op in profile["top"]:
+        print(f"| {op['op']} | {op['ms']:.1f} | {op['calls']} |")
+    if args.json:
+        print(json.dumps({"decode": decode, "eval": report["stats"], "train": train}))
+
+
+if __name__ == "__main__":
+    main()
