@@ -175,3 +175,17 @@ def test_status_shows_a_killed_generate_and_a_running_train_as_what_they_are(tmp
         train.send_signal(signal.SIGKILL)
         train.wait()
     assert stage_row(cfg, "train")["progress"]["state"] == "interrupted"
+
+
+def test_run_checks_every_eval_prompt_set_before_the_first_stage(tmp_path):
+    """`eval.prompts` as a list: each source is read (a standard set formatted, as eval will) during the
+    preflight, so a bad path for the last stage fails before the first one starts."""
+    assets = Path(__file__).parent / "assets" / "benchmarks"
+    cfg = config(tmp_path)
+    data = yaml.safe_load(cfg.read_text())
+    data["eval"] = {"prompts": [f"gsm8k={assets / 'gsm8k.jsonl'}", f"mt-bench={tmp_path / 'missing.jsonl'}"]}
+    cfg.write_text(yaml.safe_dump(data))
+    proc = subprocess.run([*FLASHDRAFT, "run", str(cfg), "--dry-run"], capture_output=True, text=True, timeout=120)
+    assert f"ok   prompts gsm8k={assets / 'gsm8k.jsonl'}: 3 prompts" in proc.stdout
+    assert f"FAIL prompts mt-bench={tmp_path / 'missing.jsonl'}: mt-bench: " in proc.stdout
+    assert "not found" in proc.stdout and proc.returncode == 1 and not (tmp_path / "work").exists()
