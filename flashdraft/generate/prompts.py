@@ -11,9 +11,10 @@ records are returned with their line number and the reason, never silently skipp
 
 from __future__ import annotations
 
-import random
+import json
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from importlib import resources
 from pathlib import Path
 from typing import Any
 
@@ -208,103 +209,23 @@ def templated_like(train: list[Prompt], heldout: list[Prompt]) -> list[str]:
     return flagged
 
 
-def builtin_prompts(name: str) -> list[dict[str, str]]:
-    """The demo prompt sets, generated from templates with a fixed seed: `demo` (≥ 400 distinct prompts) and
-    `demo-heldout` (60), which never share a prompt: they draw from disjoint numbers and subjects — but share
-    templates. `chat`, `chat-more`, `chat-extra` / `chat-heldout` are hand-written and share none (builtin_chat.py,
-    builtin_chat_more.py, builtin_chat_extra.py). Sets joined by `+` (`chat+chat-more+chat-extra`, what the demo
-    trains on) are read in turn.
-    """
+def builtin_sets() -> list[str]:
+    """The names of the built-in prompt sets: the JSONL files shipped in flashdraft/generate/prompt_sets/."""
+    return sorted(p.name.removesuffix(".jsonl") for p in _prompt_sets().iterdir() if p.name.endswith(".jsonl"))
+
+
+def builtin_prompts(name: str) -> list[dict[str, Any]]:
+    """A built-in prompt set's records in file order (prompt_sets/README.md says what each set is). Sets joined
+    by `+` (`chat+chat-more+chat-extra`, what the demo trains on) are read in turn."""
     if "+" in name:
         return [record for part in name.split("+") for record in builtin_prompts(part)]
-    if name in ("chat", "chat-heldout"):
-        from flashdraft.generate.builtin_chat import chat_records
+    if name not in builtin_sets():
+        raise BadInput(f"unknown built-in prompt set {name!r}: use "
+                       + ", ".join(f"builtin:{n}" for n in builtin_sets())
+                       + ", or several joined by + (builtin:chat+chat-more)")
+    text = _prompt_sets().joinpath(f"{name}.jsonl").read_text(encoding="utf-8")
+    return [json.loads(line) for line in text.splitlines() if line.strip()]
 
-        return chat_records(heldout=name == "chat-heldout")
-    if name in ("chat-more", "chat-extra"):  # imported only when asked for: thousands of lines each
-        from flashdraft.generate.builtin_chat import records
 
-        if name == "chat-more":
-            from flashdraft.generate.builtin_chat_more import MORE as written
-        else:
-            from flashdraft.generate.builtin_chat_extra import EXTRA as written
-        return records(written)
-    if name not in ("demo", "demo-heldout"):
-        raise BadInput(f"unknown built-in prompt set {name!r}: use builtin:demo, builtin:demo-heldout, "
-                       "builtin:chat, builtin:chat-more, builtin:chat-extra or builtin:chat-heldout, or several "
-                       "joined by + (builtin:chat+chat-more)")
-    heldout = name == "demo-heldout"
-    rng = random.Random(1234 if heldout else 42)
-
-    def pick(rows: list[str], category: str, count: int | None = None) -> list[dict[str, str]]:
-        chosen = rng.sample(rows, count) if count is not None and count < len(rows) else rows
-        return [{"prompt": text, "category": category} for text in chosen]
-
-    names = ["Ana", "Ben", "Chen", "Dara", "Eli", "Fatima", "Goro", "Hana", "Ivan", "Jia", "Kofi", "Lena"]
-    items = ["apples", "pencils", "stickers", "books", "marbles", "cookies", "coins", "cards", "shells", "stamps"]
-    math = []
-    for _ in range(15 if heldout else 200):
-        who, what = rng.choice(names), rng.choice(items)
-        a, b, c = rng.randint(3, 90) + (100 if heldout else 0), rng.randint(2, 40), rng.randint(2, 9)
-        math.append(rng.choice([
-            f"{who} has {a} {what} and buys {b} more. How many {what} does {who} have now? Explain step by step.",
-            f"{who} has {a} {what} and gives {b} away. How many are left? Show your work.",
-            f"A box holds {c} {what}. How many {what} are in {a} boxes? Answer with a short explanation.",
-            f"{who} shares {a * c} {what} equally among {c} friends. How many does each friend get?",
-            f"What is {a} + {b} * {c}? Explain the order of operations.",
-        ]))
-
-    tasks = ["reverses a string", "checks whether a number is prime", "counts the vowels in a string",
-             "returns the largest element of a list", "computes the factorial of n", "removes duplicates from a list",
-             "merges two sorted lists", "checks whether a word is a palindrome", "sums the digits of an integer",
-             "converts Celsius to Fahrenheit", "finds the second smallest number in a list",
-             "counts words in a sentence", "flattens a nested list", "computes the n-th Fibonacci number",
-             "returns the common elements of two lists", "capitalizes every word in a sentence"]
-    code = [
-        template.format(task=task, lang=lang)
-        for task in (tasks[8:] if heldout else tasks[:8])
-        for lang in ("Python", "JavaScript", "Rust", "Go")
-        for template in ("Write a {lang} function that {task}.",
-                         "Write a short {lang} function that {task}, with a docstring and one example.",
-                         "How would you write a function that {task} in {lang}? Keep it brief.")
-    ]
-
-    topics = ["photosynthesis", "how a rainbow forms", "why the sky is blue", "how vaccines work",
-              "what a black hole is", "how a bicycle stays upright", "what inflation is",
-              "how the heart pumps blood", "what DNA does",
-              "why we have seasons", "how a compass works", "what gravity is", "how bees make honey",
-              "what an atom is", "how tides work", "how a refrigerator works", "why leaves change color",
-              "what electricity is", "how airplanes fly", "what a volcano is"]
-    explain = [
-        template.format(topic=topic)
-        for topic in (topics[12:] if heldout else topics[:12])
-        for template in ("Explain {topic} in simple terms.", "Explain {topic} to a ten-year-old.",
-                         "In two or three sentences, describe {topic}.", "Give a short, clear explanation of {topic}.",
-                         "What should a beginner know about {topic}?")
-    ]
-
-    forms = ["a short poem", "a haiku", "a two-sentence story", "a friendly email", "a product description",
-             "a short thank-you note"]
-    themes = [
-        "the ocean",
-        "a rainy morning",
-        "a lost cat",
-        "autumn leaves",
-        "a new bicycle",
-        "a birthday party",
-        "the moon",
-        "a busy market",
-        "a quiet library",
-        "a mountain hike",
-        "a snowy day",
-        "a garden",
-    ]
-    writing = [f"Write {form} about {theme}." for form in forms for theme in (themes[8:] if heldout else themes[:8])]
-
-    count = 15 if heldout else None
-    return (
-        pick(math, "math")
-        + pick(code, "code", count)
-        + pick(explain, "explain", count)
-        + pick(writing, "writing", count)
-    )
+def _prompt_sets():
+    return resources.files("flashdraft.generate").joinpath("prompt_sets")

@@ -184,3 +184,23 @@ def test_generate_reads_prompts_in_two_streaming_passes_that_must_agree(tmp_path
     src.write_text("\n".join(lines[:8] + lines[9:]) + "\n")  # batch 2's prompt is gone
     with pytest.raises(BadInput, match="changed while generate ran"):
         list(batch_prompts(cfg, batches, {2}))
+
+
+def test_every_built_in_set_is_a_data_file_with_the_ids_and_order_it_had_as_code():
+    """Issue 48: the sets moved from Python literals to prompt_sets/*.jsonl; the ids of every set, in order, are
+    those the code produced (pinned in tests/assets/builtin_prompt_ids.json before the move)."""
+    import hashlib
+    import json
+    from pathlib import Path
+
+    from flashdraft.generate.prompts import builtin_sets
+
+    pinned = json.loads((Path(__file__).parents[1] / "assets" / "builtin_prompt_ids.json").read_text())
+    assert set(builtin_sets()) | {"chat+chat-more+chat-extra"} == set(pinned)
+    for name, expected in pinned.items():
+        ids = [p.id for p in load_prompts(f"builtin:{name}").prompts]
+        assert {"prompts": len(ids), "ids_sha256": hashlib.sha256("\n".join(ids).encode()).hexdigest()} == expected
+    files = Path(__file__).parents[2] / "flashdraft" / "generate" / "prompt_sets"
+    for name in builtin_sets():  # one record a line, each with its kind
+        records = [json.loads(line) for line in (files / f"{name}.jsonl").read_text().splitlines()]
+        assert records and all(("prompt" in r) != ("messages" in r) and r["category"] for r in records)
