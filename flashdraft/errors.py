@@ -15,5 +15,9 @@ class BadInput(ExpectedFailure):
     """An input (file, directory, artifact, model reference, setting) that this stage cannot use."""
 
 
+class BadTrainingInput(BadInput):
+    """The dataset, target or settings cannot train a drafter; said before any compute."""
+
+
 class WriteRefused(ExpectedFailure):
     """The disk refused a write (full, read-only, quota): nothing half-written is left for a later step."""

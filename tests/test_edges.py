@@ -353,7 +353,8 @@ def test_a_dflash2_selector_too_big_for_the_vocabulary_is_refused_before_it_is_b
     from transformers import Qwen3Config
 
     from flashdraft.config import TrainConfig
-    from flashdraft.train.data import BadTrainingInput, check_against_target
+    from flashdraft.errors import BadTrainingInput
+    from flashdraft.train.data import check_against_target
 
     qwen3_8b_vocab = Qwen3Config(vocab_size=151_936, num_hidden_layers=36)
     check_against_target(TrainConfig(architecture="dflash2", selector_rank=256), qwen3_8b_vocab)  # the default fits

@@ -2,7 +2,7 @@
 one under a name a later step would trust.
 
     with atomic_open(path) as f: ...        # temp sibling, fsync, rename, fsync the directory
-    with commit_dir(final, "drafter") as tmp: ...   # (flashdraft.artifact.manifest) a whole artifact at once
+    with commit_dir(final, "drafter") as tmp: ...   # (flashdraft.artifact.ownership) a whole artifact at once
 """
 
 from __future__ import annotations

@@ -13,10 +13,8 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import shutil
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path, PurePosixPath
@@ -26,7 +24,7 @@ from awscrt.checksums import crc64nvme
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from flashdraft import __version__
-from flashdraft.artifact.atomic import INTERNAL_PREFIX, atomic_write_text, honour_umask, leftover_temps, temp_path_for
+from flashdraft.artifact.atomic import INTERNAL_PREFIX, atomic_write_text
 from flashdraft.errors import BadInput, ExpectedFailure
 
 MANIFEST = "manifest.json"
@@ -253,40 +251,6 @@ def commit(root: str | Path, kind: Kind, *, stats: dict[str, Any] | None = None,
     if problems := verify_dir(root, deep=False):
         raise NotVerified(f"{root} changed while it was committed: {problems[0]}")
     return manifest
-
-
-@contextmanager
-def commit_dir(
-    final: str | Path, kind: Kind, *, stats: dict[str, Any] | None = None, lineage: Lineage | None = None
-) -> Iterator[Path]:
-    """Build a whole artifact in a temp sibling directory; when the block succeeds, describe it in a manifest
-    and rename it over `final` in one step. A crash leaves the old artifact or nothing, never a mix. `stats`
-    is read after the block, so the block may fill it in.
-
-    `final` must be ours (`ownership.claim_output`: missing, empty, or a `kind` artifact holding nothing its
-    manifest does not list) and is locked meanwhile; the old artifact is removed file by file as its manifest
-    names them, never by deleting whatever the directory holds."""
-    from flashdraft.artifact.ownership import claim_output, output_lock, remove_artifact
-
-    final = Path(final)
-    with output_lock(final):
-        claim_output(final, kind)
-        for stale in leftover_temps(final):  # under the lock: a killed writer's, never a live one's
-            shutil.rmtree(stale, ignore_errors=True)
-        tmp = temp_path_for(final)
-        tmp.mkdir(parents=True)
-        try:
-            yield tmp
-            honour_umask(tmp)
-            commit(tmp, kind, stats=stats, lineage=lineage)
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
-        if final.is_symlink():  # a link to an artifact kept elsewhere: replace the link, leave what it points at
-            final.unlink()
-        elif final.exists():
-            remove_artifact(final)
-        os.replace(tmp, final)
 
 
 def parse_manifest(raw: bytes) -> Manifest:

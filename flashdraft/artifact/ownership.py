@@ -24,6 +24,7 @@ import errno
 import fcntl
 import json
 import os
+import shutil
 import socket
 import stat
 import sys
@@ -35,8 +36,23 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from flashdraft.artifact.atomic import INTERNAL_PREFIX, atomic_write_text
-from flashdraft.artifact.manifest import MANIFEST, ManifestError, list_data_files, read_manifest, unsafe_path_reason
+from flashdraft.artifact.atomic import (
+    INTERNAL_PREFIX,
+    atomic_write_text,
+    honour_umask,
+    leftover_temps,
+    temp_path_for,
+)
+from flashdraft.artifact.manifest import (
+    MANIFEST,
+    Kind,
+    Lineage,
+    ManifestError,
+    commit,
+    list_data_files,
+    read_manifest,
+    unsafe_path_reason,
+)
 from flashdraft.errors import ExpectedFailure
 
 OWNER = f"{INTERNAL_PREFIX}owner.json"  # inside an output a run has claimed but not yet committed: {"kind", …}
@@ -340,3 +356,35 @@ def hold_output(out: str | Path, kind: str, *, inputs: Iterable[str | Path | Non
     with output_lock(out):
         claim_output(out, kind, **claim)
         yield
+
+
+@contextmanager
+def commit_dir(
+    final: str | Path, kind: Kind, *, stats: dict[str, Any] | None = None, lineage: Lineage | None = None
+) -> Iterator[Path]:
+    """Build a whole artifact in a temp sibling directory; when the block succeeds, describe it in a manifest
+    and rename it over `final` in one step. A crash leaves the old artifact or nothing, never a mix. `stats`
+    is read after the block, so the block may fill it in.
+
+    `final` must be ours (`claim_output`: missing, empty, or a `kind` artifact holding nothing its
+    manifest does not list) and is locked meanwhile; the old artifact is removed file by file as its manifest
+    names them, never by deleting whatever the directory holds."""
+    final = Path(final)
+    with output_lock(final):
+        claim_output(final, kind)
+        for stale in leftover_temps(final):  # under the lock: a killed writer's, never a live one's
+            shutil.rmtree(stale, ignore_errors=True)
+        tmp = temp_path_for(final)
+        tmp.mkdir(parents=True)
+        try:
+            yield tmp
+            honour_umask(tmp)
+            commit(tmp, kind, stats=stats, lineage=lineage)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        if final.is_symlink():  # a link to an artifact kept elsewhere: replace the link, leave what it points at
+            final.unlink()
+        elif final.exists():
+            remove_artifact(final)
+        os.replace(tmp, final)

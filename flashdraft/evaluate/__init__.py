@@ -38,13 +38,12 @@ from flashdraft.artifact.manifest import (
     MANIFEST,
     Lineage,
     check_done,
-    commit_dir,
     identity,
     read_manifest,
     require_verified,
     sha256_json,
 )
-from flashdraft.artifact.ownership import hold_output
+from flashdraft.artifact.ownership import commit_dir, hold_output
 from flashdraft.config import EvalConfig
 from flashdraft.errors import BadInput
 from flashdraft.evaluate.decode import SpecDecoder, divergence, target_only

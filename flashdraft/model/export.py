@@ -26,7 +26,7 @@ from safetensors.torch import load_file
 from transformers import Qwen3Config
 
 from flashdraft.artifact.atomic import atomic_write_text, write_safetensors
-from flashdraft.artifact.manifest import commit_dir
+from flashdraft.artifact.ownership import commit_dir
 from flashdraft.errors import BadInput
 from flashdraft.model.dflash2 import SETTINGS as DFLASH2_SETTINGS
 from flashdraft.model.dflash2 import DFlash2Drafter, is_dflash2

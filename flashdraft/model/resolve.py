@@ -15,8 +15,8 @@ import importlib.util
 import os
 from pathlib import Path
 
-from flashdraft.artifact.manifest import Lineage, check_done, commit_dir, sha256_json
-from flashdraft.artifact.ownership import output_lock
+from flashdraft.artifact.manifest import Lineage, check_done, sha256_json
+from flashdraft.artifact.ownership import commit_dir, output_lock
 from flashdraft.config import EMBEDDED_TARGET
 from flashdraft.errors import BadInput
 

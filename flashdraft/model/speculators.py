@@ -17,15 +17,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from flashdraft.artifact.manifest import (
-    Lineage,
-    check_done,
-    commit_dir,
-    identity,
-    read_manifest,
-    require_verified,
-    sha256_json,
-)
+from flashdraft.artifact.manifest import Lineage, check_done, identity, read_manifest, require_verified, sha256_json
+from flashdraft.artifact.ownership import commit_dir
 from flashdraft.errors import BadInput, ExpectedFailure
 
 

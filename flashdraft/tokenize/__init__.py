@@ -34,16 +34,8 @@ from typing import Any
 import numpy as np
 
 from flashdraft.artifact.atomic import atomic_write_text
-from flashdraft.artifact.manifest import (
-    Lineage,
-    check_done,
-    commit_dir,
-    content_digest,
-    identity,
-    read_manifest,
-    sha256_json,
-)
-from flashdraft.artifact.ownership import hold_output
+from flashdraft.artifact.manifest import Lineage, check_done, content_digest, identity, read_manifest, sha256_json
+from flashdraft.artifact.ownership import commit_dir, hold_output
 from flashdraft.config import TokenizeConfig
 from flashdraft.errors import BadInput, ExpectedFailure
 from flashdraft.progress import progress

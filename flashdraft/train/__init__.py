@@ -46,7 +46,7 @@ from flashdraft.artifact.manifest import (
 )
 from flashdraft.artifact.ownership import adopt, claim_output, mark_output, now_iso, output_lock, refuse_overlap
 from flashdraft.config import TrainConfig
-from flashdraft.errors import ExpectedFailure
+from flashdraft.errors import BadTrainingInput, ExpectedFailure
 from flashdraft.layout import CHECKPOINTS, DRAFTER
 from flashdraft.model.dflash2 import SETTINGS as DFLASH2_SETTINGS
 from flashdraft.model.dflash2 import DFlash2Drafter, dflash2_config, is_dflash2
@@ -68,7 +68,6 @@ from flashdraft.train.checkpoint import (
     store_other_work,
 )
 from flashdraft.train.data import (
-    BadTrainingInput,
     check_against_target,
     check_token_ids,
     check_tokenizer,

@@ -28,11 +28,11 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file
 
 from flashdraft.artifact.atomic import atomic_write_text, write_safetensors
-from flashdraft.artifact.manifest import MANIFEST, Lineage, ManifestError, commit_dir, read_manifest, verify_dir
+from flashdraft.artifact.manifest import MANIFEST, Lineage, ManifestError, read_manifest, verify_dir
+from flashdraft.artifact.ownership import commit_dir, remove_artifact
 from flashdraft.config import TrainConfig
-from flashdraft.errors import ExpectedFailure
+from flashdraft.errors import BadTrainingInput, ExpectedFailure
 from flashdraft.layout import CHECKPOINTS, DRAFTER, join
-from flashdraft.train.data import BadTrainingInput
 
 
 def checkpoint_dirs(out: Path) -> list[Path]:
@@ -151,8 +151,6 @@ def prune_checkpoints(out: Path, keep: int, removable: Callable[[str], bool] = l
     """Delete all but the newest `keep` checkpoints (complete or not) that `removable` allows: disk stays bounded
     on long runs. Each is removed as its manifest names its files; one without a manifest (a pull that was
     killed) is a directory of train's own layout under its own --out, removed whole."""
-    from flashdraft.artifact.ownership import remove_artifact
-
     removed = []
     for path in checkpoint_dirs(out)[max(1, keep) :]:
         if removable(path.name):

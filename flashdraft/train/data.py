@@ -14,12 +14,9 @@ import numpy as np
 import torch
 
 from flashdraft.config import TrainConfig
-from flashdraft.errors import BadInput
+from flashdraft.errors import BadTrainingInput
 from flashdraft.tokenize.token_counts import TOKEN_COUNTS, TokenCounts, count_dataset
-
-
-class BadTrainingInput(BadInput):
-    """The dataset, target or settings cannot train a drafter; said before any compute."""
+from flashdraft.train.distributed import from_rank_zero
 
 
 def load_dataset_checked(data: Path, block_size: int, vocab_size: int, max_length: int):
@@ -52,8 +49,6 @@ def check_token_ids(counts: TokenCounts, vocab_size: int) -> None:
 def token_counts(data: Path, dataset, world: int) -> TokenCounts:
     """The dataset's token counts: the file tokenize wrote (each rank reads it), or for a dataset without one a
     single vectorised pass on rank 0 that the other ranks receive."""
-    from flashdraft.train.distributed import from_rank_zero  # (it imports this module)
-
     if (data / TOKEN_COUNTS).is_file():
         return TokenCounts.load(data / TOKEN_COUNTS)
 

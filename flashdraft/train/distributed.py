@@ -12,8 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from flashdraft.config import TrainConfig
-from flashdraft.errors import ExpectedFailure
-from flashdraft.train.data import BadTrainingInput
+from flashdraft.errors import BadTrainingInput, ExpectedFailure
 
 
 @dataclass(frozen=True)

@@ -32,7 +32,8 @@ import numpy as np
 import torch
 
 from flashdraft.artifact.atomic import atomic_write_text
-from flashdraft.artifact.manifest import Lineage, check_done, commit_dir, identity, manifest_digest, sha256_json
+from flashdraft.artifact.manifest import Lineage, check_done, identity, manifest_digest, sha256_json
+from flashdraft.artifact.ownership import commit_dir
 from flashdraft.config import TrainConfig
 from flashdraft.model.target import Target
 from flashdraft.progress import progress

@@ -43,7 +43,7 @@ class Optimizers:
     def load_schedule_state(self, states: list[dict] | dict) -> None:
         states = [states] if isinstance(states, dict) else states  # a checkpoint from before Muon: one schedule
         if len(states) != len(self.schedulers):
-            from flashdraft.train.data import BadTrainingInput
+            from flashdraft.errors import BadTrainingInput
 
             raise BadTrainingInput(f"the checkpoint holds {len(states)} optimizer schedule(s), this run has "
                                    f"{len(self.schedulers)}: it was made with another train.optimizer")

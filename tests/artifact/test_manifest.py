@@ -15,13 +15,13 @@ from flashdraft.artifact.manifest import (
     Lineage,
     build_manifest,
     check_done,
-    commit_dir,
     list_data_files,
     read_manifest,
     sha256_file,
     verify_dir,
     write_manifest,
 )
+from flashdraft.artifact.ownership import commit_dir
 
 
 @pytest.fixture

@@ -11,11 +11,12 @@ from pathlib import Path
 
 import pytest
 
-from flashdraft.artifact.manifest import MANIFEST, Lineage, build_manifest, commit_dir, verify_dir, write_manifest
+from flashdraft.artifact.manifest import MANIFEST, Lineage, build_manifest, verify_dir, write_manifest
 from flashdraft.artifact.ownership import (
     OutputLocked,
     OutputNotOwned,
     claim_output,
+    commit_dir,
     lock_path,
     output_lock,
     remove_inside,
