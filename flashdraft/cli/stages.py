@@ -1,0 +1,237 @@
+"""The stage commands: generate, tokenize, train, eval, export."""
+
+from __future__ import annotations
+
+from enum import StrEnum
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from flashdraft.cli.app import (
+    ConfigFlag,
+    JsonFlag,
+    app,
+    emit_json,
+    err_console,
+    fail,
+    human,
+)
+from flashdraft.config import load_config
+from flashdraft.layout import DRAFTER, generate_dir, stage_dir, train_dir
+from flashdraft.preflight import generate_checks, require, train_checks
+
+
+@app.command()
+def generate(
+    prompts: Annotated[Path | None, typer.Option(help="JSONL / Parquet / save_to_disk directory of prompts.")] = None,
+    out: Annotated[Path | None, typer.Option(help="Output artifact directory (batch files + manifest).")] = None,
+    backend: Annotated[str | None, typer.Option(help="hf | openai | vllm.")] = None,
+    model: Annotated[str | None, typer.Option(help="Target REF: directory, hub id, GGUF file or 'embedded'.")] = None,
+    base_url: Annotated[list[str] | None, typer.Option(help="OpenAI-compatible endpoint (repeatable).")] = None,
+    max_new_tokens: Annotated[int | None, typer.Option(help="Token budget per response.")] = None,
+    batch_size: Annotated[int | None, typer.Option(help="Records per committed batch file.")] = None,
+    temperature: Annotated[float | None, typer.Option(help="0 = greedy.")] = None,
+    dtype: Annotated[str | None, typer.Option(
+        help="hf backend: auto | bfloat16 | float32, the target's weights while generating (auto: bfloat16 on "
+        "CUDA, float32 on CPU; bfloat16 is ~2x faster on a CPU with AVX512-BF16).")] = None,
+    thinking: Annotated[str | None, typer.Option(
+        help="on | off | mixed: enable_thinking in the chat template; mixed draws each prompt's mode by its id "
+        "(generate.thinking_ratio on). A prompt record's own `thinking` wins.")] = None,
+    turns: Annotated[str | None, typer.Option(
+        help="final: regenerate the last assistant turn | all: every assistant turn, each from the regenerated "
+        "history.")] = None,
+    shard_index: Annotated[int | None, typer.Option(help="This machine's slice of the prompts (0-based).")] = None,
+    num_shards: Annotated[int | None, typer.Option(help="How many machines split the prompts.")] = None,
+    upload_to: Annotated[
+        str | None, typer.Option(help="Push each committed batch to this store URL as it lands; verify at the end.")
+    ] = None,
+    config: ConfigFlag = None,
+    json_out: JsonFlag = False,
+) -> None:
+    """Regenerate responses with the target model into committed batch files (resumable, shardable)."""
+    from flashdraft import generate as stage
+
+    if thinking not in (None, "on", "off", "mixed"):
+        fail("--thinking takes on, off or mixed")
+    if turns not in (None, "final", "all"):
+        fail("--turns takes final or all")
+    overrides = {
+        "generate.prompts": str(prompts) if prompts else None,
+        "generate.backend": backend,
+        "generate.model": model,
+        "generate.base_urls": base_url or None,
+        "generate.max_new_tokens": max_new_tokens,
+        "generate.batch_size": batch_size,
+        "generate.temperature": temperature,
+        "generate.dtype": dtype,
+        "generate.thinking": {"on": True, "off": False}.get(thinking, thinking),
+        "generate.turns": turns,
+        "generate.shard_index": shard_index,
+        "generate.num_shards": num_shards,
+    }
+    cfg = load_config(config, overrides)
+    if "prompts" not in cfg.generate.model_fields_set:  # no silent 404 built-in prompts: `run`/`demo` keep those
+        fail("--prompts is required (a JSONL / Parquet file, a save_to_disk directory, or builtin:NAME), or "
+             "generate.prompts in --config", code=2)
+    if not 0 <= cfg.generate.shard_index < cfg.generate.num_shards:
+        fail(f"--shard-index must be in 0..{cfg.generate.num_shards - 1}")
+    out = out or generate_dir(cfg.workdir, cfg.generate.shard_index, cfg.generate.num_shards)
+    require(generate_checks(cfg.generate, upload_to))  # prompts, endpoints or model, upload store: before any batch
+    stats = stage.run(cfg.generate, out, upload_to=upload_to, console=err_console, log=human(json_out).print)
+    if json_out:
+        emit_json({"path": str(out), **stats})
+
+
+@app.command()
+def tokenize(
+    input: Annotated[
+        list[Path] | None,
+        typer.Option(help="A generate artifact (or a directory of generate shards), or JSONL/Parquet "
+                     "conversations; repeat to merge several inputs into one dataset (duplicates dropped by id)."),
+    ] = None,
+    out: Annotated[Path | None, typer.Option(help="Output dataset directory (Arrow shards + manifest).")] = None,
+    tokenizer: Annotated[str | None, typer.Option(help="Tokenizer REF (default: the target's).")] = None,
+    max_length: Annotated[int | None, typer.Option(help="Truncate samples to this many tokens.")] = None,
+    workers: Annotated[int | None, typer.Option(help="Processes (0 = all cores).")] = None,
+    min_loss_fraction: Annotated[float | None, typer.Option(help="Quality gate on supervised tokens.")] = None,
+    block_size: Annotated[int | None, typer.Option(help="DFlash block size, for the anchor statistic.")] = None,
+    show: Annotated[int, typer.Option(help="Print N samples of --out with supervised tokens highlighted.")] = 0,
+    config: ConfigFlag = None,
+    json_out: JsonFlag = False,
+) -> None:
+    """Render completions with the target's chat template into Arrow shards with token-exact loss masks."""
+    from flashdraft import tokenize as stage
+
+    overrides = {
+        "tokenize.tokenizer": tokenizer,
+        "tokenize.max_length": max_length,
+        "tokenize.workers": workers,
+        "tokenize.min_loss_fraction": min_loss_fraction,
+        "tokenize.block_size": block_size,
+    }
+    cfg = load_config(config, overrides)
+    out = out or stage_dir(cfg.workdir, "tokenize")
+    if not input and show:
+        return stage.show(out, show, human(json_out), cfg.tokenize.tokenizer)
+    if not input:  # the workdir's generate artifact, or all its shards (each must verify)
+        from flashdraft.pipeline import require_shards
+
+        require_shards(cfg.workdir, cfg.generate.num_shards)
+    source = list(input) if input else stage_dir(cfg.workdir, "generate")
+    stats = stage.run(cfg.tokenize, source, out, console=err_console, log=human(json_out).print)
+    if show:
+        stage.show(out, show, human(json_out), cfg.tokenize.tokenizer)
+    if json_out:
+        emit_json({"path": str(out), **{k: v for k, v in stats.items() if k != "shards"}})
+
+
+@app.command()
+def train(
+    data: Annotated[Path | None, typer.Option(help="A tokenize artifact (dataset directory).")] = None,
+    out: Annotated[Path | None, typer.Option(help="Output directory (checkpoints + exported drafter).")] = None,
+    target: Annotated[str | None, typer.Option(help="Target REF.")] = None,
+    max_steps: Annotated[int | None, typer.Option(help="Stop after this many optimizer steps.")] = None,
+    epochs: Annotated[int | None, typer.Option(help="Passes over the data.")] = None,
+    resume: Annotated[
+        bool, typer.Option(help="Require a checkpoint to resume from (a rerun into the same --out always resumes).")
+    ] = False,
+    push_to: Annotated[
+        str | None, typer.Option(help="Local dir or s3:// URL: each checkpoint and the drafter pushed, verified.")
+    ] = None,
+    features: Annotated[
+        str | None,
+        typer.Option(help="online: target runs in each step; offline: its features are cached once (small runs)."),
+    ] = None,
+    init_from: Annotated[
+        str | None, typer.Option(help="Start from this z-lab-format drafter (e.g. a published one) and fine-tune it; "
+                                      "with --architecture dflash2 a DFlash drafter is warm-started as DFlash2's "
+                                      "backbone.")
+    ] = None,
+    architecture: Annotated[
+        str | None, typer.Option(help="dflash (default) or dflash2: DFlash plus block convolutions and a candidate "
+                                      "selector (train.conv_* and train.selector_* in the config).")
+    ] = None,
+    config: ConfigFlag = None,
+    json_out: JsonFlag = False,
+) -> None:
+    """Train the DFlash (or DFlash2) block-diffusion drafter on the target's hidden states (torchrun for DDP)."""
+    from flashdraft import train as stage
+
+    overrides = {"train.target": target, "train.max_steps": max_steps, "train.epochs": epochs,
+                 "train.push_to": push_to, "train.features": features, "train.init_from": init_from,
+                 "train.architecture": architecture}
+    cfg = load_config(config, overrides)
+    data = data or stage_dir(cfg.workdir, "tokenize")
+    out = out or train_dir(cfg.workdir)
+    require(train_checks(cfg.train))  # target, devices, the --push-to store: before any compute
+    stats = stage.run(cfg.train, data, out, require_checkpoint=resume, console=err_console, log=human(json_out).print)
+    if json_out and stats:
+        emit_json({"path": str(out / DRAFTER), **stats})
+
+
+@app.command("eval")
+def evaluate(
+    drafter: Annotated[Path | None, typer.Option(help="An exported drafter directory.")] = None,
+    prompts: Annotated[
+        list[str] | None, typer.Option(help="Held-out prompts, repeatable, each reported on its own: a JSONL / "
+                                       "Parquet file, a built-in set (builtin:chat-heldout), or a standard "
+                                       "benchmark: gsm8k, math500, humaneval, mbpp, mt-bench (from the hub) or "
+                                       "NAME=PATH (a local copy in that dataset's schema).")
+    ] = None,
+    out: Annotated[Path | None, typer.Option(help="Output directory (report.json, report.md, plots).")] = None,
+    target: Annotated[str | None, typer.Option(help="Target REF.")] = None,
+    max_new_tokens: Annotated[int | None, typer.Option(help="Tokens to decode per prompt.")] = None,
+    temperature: Annotated[float | None, typer.Option(help="0 = greedy (checked lossless).")] = None,
+    max_prompts: Annotated[int | None, typer.Option(help="Prompts per --prompts set.")] = None,
+    thinking: Annotated[str | None, typer.Option(help="on | off: enable_thinking in the chat template.")] = None,
+    decoding: Annotated[str | None, typer.Option(
+        help="auto | static | dynamic: auto is a static KV cache with CUDA graphs on a GPU, the growing cache on "
+             "a CPU.")] = None,
+    config: ConfigFlag = None,
+    json_out: JsonFlag = False,
+) -> None:
+    """Measure acceptance length with lossless speculative decoding, per prompt set."""
+    from flashdraft import evaluate as stage
+
+    overrides = {
+        "eval.prompts": (prompts[0] if len(prompts) == 1 else list(prompts)) if prompts else None,
+        "eval.target": target,
+        "eval.max_new_tokens": max_new_tokens,
+        "eval.temperature": temperature,
+        "eval.max_prompts": max_prompts,
+        "eval.thinking": {"on": True, "off": False}.get(thinking, thinking),
+        "eval.decoding": decoding,
+    }
+    cfg = load_config(config, overrides)
+    drafter = drafter or stage_dir(cfg.workdir, "train")
+    out = out or stage_dir(cfg.workdir, "eval")
+    stats = stage.run(cfg.eval, drafter, out, log=human(json_out).print)
+    if json_out:
+        emit_json({"path": str(out), **stats})
+
+
+class ExportFormat(StrEnum):
+    speculators = "speculators"
+
+
+@app.command()
+def export(
+    drafter: Annotated[Path | None, typer.Option(help="An exported (z-lab format) drafter directory.")] = None,
+    target: Annotated[str | None, typer.Option(help="The target REF the drafter was trained for.")] = None,
+    format: Annotated[ExportFormat, typer.Option("--format", help="speculators: vLLM's speculators checkpoint.")] = (
+        ExportFormat.speculators),
+    out: Annotated[Path | None, typer.Option(help="Output directory (default: WORKDIR/train/drafter-FORMAT).")] = None,
+    config: ConfigFlag = None,
+    json_out: JsonFlag = False,
+) -> None:
+    """Write a trained drafter in another serving format (train already writes the z-lab DFlash format that
+    SGLang and vLLM load directly)."""
+    from flashdraft.model.speculators import export_speculators
+
+    cfg = load_config(config, {})
+    drafter = drafter or stage_dir(cfg.workdir, "train")
+    out = out or train_dir(cfg.workdir) / f"{DRAFTER}-{format.value}"
+    stats = export_speculators(drafter, target or cfg.train.target, out, log=human(json_out).print)
+    if json_out:
+        emit_json({"path": str(out), **stats})
