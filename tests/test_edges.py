@@ -440,8 +440,9 @@ def test_a_live_writers_lease_stops_a_second_push_and_a_lapsed_one_is_taken_over
 
     import pytest
 
+    from flashdraft.artifact.prefix import PrefixBusy, WriterLease
     from flashdraft.artifact.store import open_store
-    from flashdraft.artifact.sync import PrefixBusy, WriterLease, push
+    from flashdraft.artifact.sync import push
 
     src = many_files(tmp_path / "src", 3, 1000)
     url = f"s3://flashdraft/t-{uuid.uuid4().hex[:10]}/art"

@@ -222,8 +222,8 @@ def test_a_second_training_run_cannot_take_over_the_first_ones_push_to(cli, tmp_
 
 
 def test_generate_never_uploads_batches_under_a_live_manifest(cli, tmp_path, tiny_model_dir, s3env):
+    from flashdraft.artifact.prefix import EARLIER, PrefixOwned, open_for_writing
     from flashdraft.artifact.store import open_store
-    from flashdraft.artifact.sync import EARLIER, PrefixOwned, open_for_writing
     from flashdraft.config import GenerateConfig
     from flashdraft.generate import lineage_for
     from tests.generate.test_generate import prompts_file

@@ -206,7 +206,7 @@ def _run_locked(cfg: GenerateConfig, out: Path, upload_to: str | None, console, 
     )
     store = _open_upload_store(upload_to)
     if store is not None and todo:  # batches will land one by one: never under a live manifest, never another's
-        from flashdraft.artifact.sync import open_for_writing
+        from flashdraft.artifact.prefix import open_for_writing
 
         open_for_writing(store, "completions", lineage)
 
