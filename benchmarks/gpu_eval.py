@@ -12,7 +12,9 @@ Qwen3-8B, bf16); the drafter is untrained (5 layers, block 16), so τ ≈ 1 and 
    weights' bytes ÷ a copy bandwidth measured here: a copy moves its bytes twice), host launches a token (CUDA
    runtime launch calls; on a CPU, aten ops), and a speculative step's cost in target tokens at τ 1.
 2. `flashdraft.evaluate.run` itself on the first shape saved to disk (SmolLM2's tokenizer and vocabulary, for a
-   chat template), over the local GSM8K and MT-Bench copies in tests/assets/benchmarks: its τ table.
+   chat template), over the local GSM8K and MT-Bench copies in tests/assets/benchmarks: its τ table, and how far
+   apart (units in the last place) greedy speculative and target-only outputs are where they first differ — what
+   `eval.near_tie_ulps` must allow with this device's bfloat16 kernels.
 3. `flashdraft train` through the CLI for a few steps (online features) against gpu_check's isolated step at the
    same shape, sequence length and anchors, with the target's forward added to it; then the same training under
    torch.profiler: the operators where the CLI's time goes, and how busy the device was.
@@ -141,7 +143,13 @@ def eval_report(target_dir: Path, work: Path, args) -> dict:
                      target=str(target_dir), max_new_tokens=args.eval_tokens, max_prompts=3)
     lines: list[str] = []
     stats = run(cfg, work / "drafter", work / "eval", log=lines.append)
-    return {"stats": stats, "table": (work / "eval" / "report.md").read_text()}
+    # How far apart bfloat16 verify and one-token passes round on this device's kernels, where greedy outputs
+    # first differ: what eval.near_tie_ulps (2, measured on a CPU) must allow here.
+    turns = json.loads((work / "eval" / "report.json").read_text())["prompts"]
+    behind = [max(t["divergence"]["ulps_behind_top"]) for t in turns if t["divergence"]
+              and "ulps_behind_top" in t["divergence"]]
+    return {"stats": stats, "table": (work / "eval" / "report.md").read_text(), "turns": len(turns),
+            "diverged": len(behind), "farthest_ulps": max(behind, default=None)}
 
 
 def write_dataset(path: Path, vocab: int, sequences: int, length: int) -> None:
@@ -222,6 +230,8 @@ def train_profile(settings: dict, work: Path, device: str) -> dict:
 
 
 def main() -> None:
+    from flashdraft.config import EvalConfig
+
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tiny", action="store_true", help="tiny shapes on CPU: the same code, in seconds")
     ap.add_argument("--prompt-len", type=int, default=256)
@@ -267,6 +277,9 @@ def main() -> None:
               f"{r['x_bound']:.1f} | {r['launches_per_token']:.0f} | {r['step_ms']:.2f} | {r['step_in_tokens']:.2f} |")
     print(f"\neval's own report ({first}-shaped target, SmolLM2's vocabulary, random weights):\n")
     print(report["table"])
+    farthest = f", the farthest {report['farthest_ulps']:g} units in the last place" if report["diverged"] else ""
+    print(f"near ties: {report['diverged']} of {report['turns']} turns first differ from target-only{farthest} "
+          f"(eval.near_tie_ulps allows {EvalConfig().near_tie_ulps})\n")
     print(f"train ({first}, {args.seq_len}-token sequences, {args.anchors} anchors, batch {args.batch}): the CLI "
           f"{train['cli_tokens_per_s']:,.0f} block tokens/s; isolated {train['isolated_tokens_per_s']:,.0f}, with "
           f"the target's forward ({train['target_forward_ms']:.1f} ms a sequence) "
