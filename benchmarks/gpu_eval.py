@@ -42,17 +42,22 @@ LAUNCHES = {"cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaun
             "cudaMemcpyAsync", "cudaMemsetAsync"}
 
 
+def seconds_each(fn, device: str, repeats: int) -> float:
+    """Seconds one call of `fn` takes on `device`, after one untimed call (allocation, first-use setup)."""
+    fn()
+    gpu_check.sync(device)
+    started = time.perf_counter()
+    for _ in range(repeats):
+        fn()
+    gpu_check.sync(device)
+    return (time.perf_counter() - started) / repeats
+
+
 def copy_bandwidth(device: str, nbytes: int) -> float:
     """Bytes a second a device-to-device copy moves (read and write both counted)."""
     src = torch.empty(nbytes, dtype=torch.uint8, device=device)
     dst = torch.empty_like(src)
-    dst.copy_(src)
-    gpu_check.sync(device)
-    started = time.perf_counter()
-    for _ in range(5):
-        dst.copy_(src)
-    gpu_check.sync(device)
-    return 2 * nbytes * 5 / (time.perf_counter() - started)
+    return 2 * nbytes / seconds_each(lambda: dst.copy_(src), device, 5)
 
 
 def launches(fn, device: str) -> int:
@@ -192,13 +197,7 @@ def train_check(name: str, shape: dict, target_dir: Path, work: Path, args, devi
                                           "decay", "adamw")
     ids = torch.randint(1, vocab, (1, args.seq_len), device=device)
     target.watch([1])
-    target.features(ids)
-    gpu_check.sync(device)
-    started = time.perf_counter()
-    for _ in range(3):
-        target.features(ids)
-    gpu_check.sync(device)
-    forward_s = (time.perf_counter() - started) / 3
+    forward_s = seconds_each(lambda t=target: t.features(ids), device, 3)
     block_tokens = isolated["tokens_per_s"] * isolated["step_ms"] / 1e3
     with_target = block_tokens / (isolated["step_ms"] / 1e3 + forward_s)
     del target
