@@ -120,3 +120,36 @@ def test_what_the_static_cache_cannot_hold_falls_back_or_is_refused(tmp_path, ta
     assert type(decoder) is SpecDecoder and "on a CPU" in words  # where the growing cache is the faster
     decoder, words = choose_decoder(EvalConfig(decoding="static"), target, drafter(target), set(), quiet)
     assert isinstance(decoder, StaticSpecDecoder) and words.startswith("static KV cache")
+
+
+def test_a_greedy_step_reads_from_the_device_once(target, monkeypatch):
+    """No host sync in a step of flashdraft's beyond reading the accepted count (with the target's tokens, in one
+    read): every way a tensor's value reaches Python is counted while steps run, by where it is called from.
+    (Run eagerly, as here, transformers' mask code also reads the static cache's position once a target pass; under
+    torch.compile it does not — masking_utils skips that read while tracing.)"""
+    import sys
+
+    from flashdraft.evaluate.decode import Sampler
+
+    static = StaticSpecDecoder(target, agreeing(target, drafter(target), PROMPTS[0], 24), set())
+    static.max_new_tokens = 24
+    state = static.start(PROMPTS[0], 0.0, Sampler())
+    reads = []
+
+    def counted(name, original):
+        def read(self, *args):
+            caller = sys._getframe(1).f_code.co_filename
+            reads.append((name, "transformers" if "/transformers/" in caller else "flashdraft" if
+                          "/flashdraft/" in caller else caller))
+            return original(self, *args)
+        return read
+
+    for name in ("tolist", "item", "__int__", "__float__", "__bool__", "__index__"):
+        monkeypatch.setattr(torch.Tensor, name, counted(name, getattr(torch.Tensor, name)))
+    steps = 0
+    while len(state.tokens) < 20:
+        static.step(state, 0.0, Sampler())
+        steps += 1
+    monkeypatch.undo()
+    assert [r for r in reads if r[1] != "transformers"] == [("tolist", "flashdraft")] * steps
+    assert any(n > 0 for n in state.accepted)
