@@ -181,7 +181,9 @@ def estimate(
     rate = tokens_per_s if tokens_per_s is not None else DEFAULT_TOKENS_PER_S[g.backend] * max(1, len(g.base_urls))
     step_s = REFERENCE_STEP_S * (2 * shape.layers * layer_params(shape) + 6 * params) / (
         2 * REFERENCE_TARGET_LAYER_PARAMS + 6 * REFERENCE_DRAFTER) * tr.batch_size / REFERENCE_BATCH
-    eval_tokens = 2 * cfg.eval.max_prompts * cfg.eval.max_new_tokens  # speculative, then target-only
+    # speculative, then target-only, on each prompt set; a two-turn set (mt-bench) decodes twice a prompt
+    eval_turns = sum(cfg.eval.max_prompts * eval_turns_per_prompt(source) for source in cfg.eval.sources)
+    eval_tokens = 2 * eval_turns * cfg.eval.max_new_tokens
     return {
         "prompts": count,
         "prompt_tokens_mean": round(prompt_tokens, 1),
@@ -244,8 +246,17 @@ def describe(est: dict[str, Any], cfg: PipelineConfig) -> list[str]:
         f"train: ≈ {est['train_hours_one_process']:,} hours on one GPU process at ≈ {est['train_step_s']:.2f} s a step "
         f"(the step measured on one H200 — 1.18 s, batch 4, a 1.05B drafter of a Qwen3-8B-shaped target, online — "
         "scaled by this target's and drafter's training FLOPs and the batch)",
-        f"eval: ≈ {est['eval_hours']} hours ({cfg.eval.max_prompts} prompts × {cfg.eval.max_new_tokens} tokens, "
+        f"eval: ≈ {est['eval_hours']} hours ({len(cfg.eval.sources)} prompt set(s) × {cfg.eval.max_prompts} prompts "
+        f"× {cfg.eval.max_new_tokens} tokens a turn, "
         f"speculative and target-only, at ~{EVAL_TOKENS_PER_S:.0f} tokens/s: eval's HF decoding measured on an H200)",
         f"target: {est['target']['layers']} layers, hidden {est['target']['hidden']:,}, vocab "
         f"{est['target']['vocab']:,} (from {est['target']['from']}); features from layers {est['target_layer_ids']}",
     ]
+
+
+def eval_turns_per_prompt(source: str) -> int:
+    """Turns eval decodes a prompt of `source`: a standard set's own count (mt-bench asks two), else one."""
+    from flashdraft.evaluate.sets import split_source, standard_sets
+
+    name, _ = split_source(source)
+    return 2 if name is not None and "turns" in standard_sets()[name] else 1

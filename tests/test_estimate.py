@@ -155,3 +155,16 @@ def test_estimate_gives_training_and_eval_hours_from_the_measured_step(cli, tmp_
         assert est["train_hours_one_process"] == round(est["train_steps_one_process"] * est["train_step_s"] / 3600, 1)
         assert est["eval_hours"] > 0
     assert abs(steps["8b"] - 1.18) < 0.05 and steps["27b"] > 2 * steps["8b"]
+
+
+def test_eval_hours_count_every_prompt_set_and_mt_benchs_second_turn():
+    import pytest
+
+    from flashdraft.config import load_config
+    from flashdraft.estimate import estimate
+
+    one = load_config(None, {"eval.prompts": "gsm8k", "eval.max_new_tokens": 2048})
+    many = load_config(None, {"eval.prompts": ["gsm8k", "mt-bench", "builtin:chat-heldout"],
+                               "eval.max_new_tokens": 2048})
+    hours = [estimate(cfg, num_prompts=1000)["eval_hours"] for cfg in (one, many)]
+    assert hours[1] == pytest.approx(4 * hours[0], rel=0.05)  # gsm8k + mt-bench's two turns + the built-in set
