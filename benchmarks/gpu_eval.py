@@ -75,7 +75,7 @@ def launches(fn, device: str) -> int:
 
 def decode_check(name: str, shape: dict, args, device: str, dtype, bandwidth: float) -> list[dict]:
     from flashdraft.evaluate.decode import SpecDecoder, target_only
-    from flashdraft.evaluate.static import StaticSpecDecoder, cuda_graphs
+    from flashdraft.evaluate.static import StaticSpecDecoder, cuda_graphs, static_unsupported
     from flashdraft.model.drafter import DFlashDrafter, draft_config
 
     torch.manual_seed(0)
@@ -96,9 +96,11 @@ def decode_check(name: str, shape: dict, args, device: str, dtype, bandwidth: fl
     def static_target_only(tokens: int):
         return static.target_only(prompt, tokens)
 
-    machineries = [("growing cache, eager", SpecDecoder(target, drafter, set()), growing_target_only),
-                   ("static cache" + (", CUDA graphs" if device == "cuda" else ""), static,
-                    static_target_only)]
+    machineries = [("growing cache, eager", SpecDecoder(target, drafter, set()), growing_target_only)]
+    if (why := static_unsupported(target)) is None:
+        machineries.append(("static cache" + (", CUDA graphs" if device == "cuda" else ""), static, static_target_only))
+    else:
+        print(f"{name}: no static-cache row: {why}", flush=True)
     rows = []
     for label, decoder, baseline in machineries:
         started = time.perf_counter()
