@@ -4,6 +4,11 @@ step beside the isolated one.
     bash benchmarks/gpu_eval.sh            # one H200, ≤ 6 minutes, nothing downloaded
     bash benchmarks/gpu_eval.sh --tiny     # the same code on CPU with tiny shapes (what the tests run)
 
+On the lent H200 (its image lacks a few packages; benchmarks/gpu_prepare.sh fetches them and the tokenizer into
+.bench/, which `carry` takes along):
+    python3 -m pip install -q --no-index --no-deps --target /tmp/site .bench/wheels/*.whl &&
+    PYTHONPATH=/tmp/site:$PWD PYTHON=python3 bash benchmarks/gpu_eval.sh --tokenizer .bench/tokenizer --json
+
 Targets are random-weight Qwen3 models built in memory (benchmarks/gpu_check.py's shapes: Qwen3-0.6B and
 Qwen3-8B, bf16); the drafter is untrained (5 layers, block 16), so τ ≈ 1 and a step's cost is what is measured.
 
@@ -119,13 +124,16 @@ def decode_check(name: str, shape: dict, args, device: str, dtype, bandwidth: fl
     return rows
 
 
-def save_target(shape: dict, path: Path, dtype) -> None:
-    """A random-weight Qwen3 of `shape` with SmolLM2's tokenizer and vocabulary (for a chat template)."""
+def save_target(shape: dict, path: Path, dtype, tokenizer_dir: str | None) -> None:
+    """A random-weight Qwen3 of `shape` with SmolLM2's tokenizer and vocabulary (for a chat template): the
+    embedded target's, or a copy of it in `tokenizer_dir` (benchmarks/gpu_prepare.sh makes one to carry)."""
     from transformers import AutoTokenizer, Qwen3Config, Qwen3ForCausalLM
 
-    from flashdraft.model.resolve import resolve_model
+    if tokenizer_dir is None:
+        from flashdraft.model.resolve import resolve_model
 
-    tokenizer = AutoTokenizer.from_pretrained(resolve_model("embedded", log=lambda s: None))
+        tokenizer_dir = resolve_model("embedded", log=lambda s: None)
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
     config = Qwen3Config(**{**shape, "vocab_size": len(tokenizer)}, max_position_embeddings=40_960,
                          rope_theta=1_000_000.0, tie_word_embeddings=False, eos_token_id=tokenizer.eos_token_id,
                          bos_token_id=tokenizer.bos_token_id)
@@ -245,6 +253,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=5, help="timed isolated steps")
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--peak-tflops", type=float, default=989.0)
+    ap.add_argument("--tokenizer", help="SmolLM2's tokenizer directory (default: the embedded target's)")
     ap.add_argument("--json", action="store_true", help="also print the results as one JSON object")
     args = ap.parse_args()
     import torch._dynamo
@@ -264,7 +273,7 @@ def main() -> None:
     first = next(iter(shapes))
     with tempfile.TemporaryDirectory(prefix="gpu-eval-") as tmp:
         work = Path(tmp)
-        save_target(shapes[first], work / "target", dtype)
+        save_target(shapes[first], work / "target", dtype, args.tokenizer)
         report = eval_report(work / "target", work, args)
         train = train_check(first, shapes[first], work / "target", work, args, device, dtype)
 
