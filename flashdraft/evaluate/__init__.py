@@ -120,8 +120,15 @@ def run(
                                                      return_dict=True, enable_thinking=cfg.thinking)
             return list(rendered["input_ids"])
 
-        if isinstance(decoder, StaticSpecDecoder) and decoder.compiled:
-            decoder, machinery = warm_up(decoder, render(prompts[0].prompt.messages), target, drafter, stop_ids, log)
+        if isinstance(decoder, StaticSpecDecoder):
+            # Buffers for the whole run, reserved once: new buffers mid-run would mean new graphs, captured while
+            # a prompt is timed. A later turn holds the earlier ones and their answers (+ room for its own text).
+            longest = max(len(render(p.prompt.messages)) for p in prompts)
+            turns_most = max(1 + len(p.follow_ups) for p in prompts)
+            decoder.reserve(longest + turns_most * (cfg.max_new_tokens + 512) + 2 * drafter.block_size)
+            if decoder.compiled:
+                decoder, machinery = warm_up(decoder, render(prompts[0].prompt.messages), target, drafter, stop_ids,
+                                             log)
 
         per_prompt = []
         for item in prompts:
