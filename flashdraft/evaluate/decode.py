@@ -57,7 +57,7 @@ class TargetCache:
         from transformers import DynamicCache
 
         self.cache = DynamicCache(config=config)
-        self.linear = _linear_layers(self.cache)
+        self.linear = linear_layers(self.cache)
         self.records_states = bool(self.linear) and _records_recurrent_states(self.linear[0])
         assert self.records_states or not any(hasattr(layer, "cumulative_length_linear") for layer in self.linear)
 
@@ -99,7 +99,7 @@ def _records_recurrent_states(layer) -> bool:
     return "recurrent_states_to_keep" in inspect.signature(layer.activate_past_recording).parameters
 
 
-def _linear_layers(cache) -> list:
+def linear_layers(cache) -> list:
     try:
         from transformers.cache_utils import LinearAttentionCacheLayerMixin
     except ImportError:  # transformers 4.x: no hybrid targets
@@ -189,7 +189,7 @@ class SpecDecoder:
         state = TargetCache(self.target.config)
         logits, features = self._target_pass(torch.tensor([prompt_ids], device=device), state.cache)
         ctx_kv = self.drafter.context_kv(features, torch.arange(len(prompt_ids), device=device)[None])
-        anchor = _pick(logits[0, -1], temperature, sampler)
+        anchor = pick_token(logits[0, -1], temperature, sampler)
         return Decoding(state, ctx_kv, anchor, len(prompt_ids), [anchor])
 
     def step(self, state: Decoding, temperature: float, sampler: Sampler) -> list[int]:
@@ -204,7 +204,7 @@ class SpecDecoder:
         block[0, 1:] = drafts
         snapshot = state.cache.snapshot(k)
         target_logits, features = self._target_pass(block, state.cache.cache)
-        emitted = _verify(drafts, q, target_logits[0], temperature, sampler)
+        emitted = verify_drafts(drafts, q, target_logits[0], temperature, sampler)
         n = len(emitted) - 1
         state.cache.keep(block, n + 1, snapshot, self._target_pass)  # the anchor and the accepted drafts
         new_kv = self.drafter.context_kv(features[:, : n + 1], positions[:, : n + 1])
@@ -234,13 +234,13 @@ class SpecDecoder:
         return drafts, q
 
 
-def _pick(logits: torch.Tensor, temperature: float, sampler: Sampler) -> int:
+def pick_token(logits: torch.Tensor, temperature: float, sampler: Sampler) -> int:
     if temperature <= 0:
         return int(logits.argmax(-1))
     return sampler.token(torch.softmax(logits.float() / temperature, dim=-1))
 
 
-def _verify(drafts, q, target_logits, temperature: float, sampler: Sampler) -> list[int]:
+def verify_drafts(drafts, q, target_logits, temperature: float, sampler: Sampler) -> list[int]:
     """The tokens a step emits: the accepted drafts, then the bonus token. target_logits[j] is the target's
     distribution for block position j+1; q[j] the distribution draft j was drawn from (T > 0). Greedy, the host
     waits on the device once: the accepted count and the target's own tokens come back in one read (the accepted

@@ -16,7 +16,7 @@ pass as a CUDA graph over fixed-size buffers; this module does the same for eval
   replayed. The target-only baseline runs its one-token pass through the same compiled machinery, so the speedup
   compares like with like. On a CPU the same static buffers run eagerly (what the tests check, token for token).
 
-A step waits on the device once, to read the accepted count and the target's tokens (decode.py `_verify`).
+A step waits on the device once, to read the accepted count and the target's tokens (decode.py `verify_drafts`).
 
 What the static path cannot hold falls back to decode.py's growing cache, and the report says why: a hybrid's
 linear-attention layers (their recurrent state has no position to roll back to), sliding-window target layers,
@@ -31,7 +31,7 @@ from collections.abc import Callable
 
 import torch
 
-from flashdraft.evaluate.decode import Decoding, Sampler, SpecDecoder, _pick
+from flashdraft.evaluate.decode import Decoding, Sampler, SpecDecoder, linear_layers, pick_token, verify_drafts
 from flashdraft.model.drafter import DFlashDrafter
 from flashdraft.model.target import Target
 
@@ -48,9 +48,7 @@ def static_unsupported(target: Target) -> str | None:
     from transformers import DynamicCache, StaticCache
     from transformers.cache_utils import StaticLayer
 
-    from flashdraft.evaluate.decode import _linear_layers
-
-    if _linear_layers(DynamicCache(config=target.config)):
+    if linear_layers(DynamicCache(config=target.config)):
         return "a hybrid linear-attention target: its recurrent state rolls back only on the growing cache"
     if not isinstance(getattr(StaticLayer(1), "cumulative_length", None), torch.Tensor):
         return "this transformers' static cache keeps its position on the host"
@@ -166,12 +164,10 @@ class StaticSpecDecoder(SpecDecoder):
         logits, features = self._target_pass(ids, self.cache)
         self.context.write(self.drafter.context_kv(features, torch.arange(len(prompt_ids), device=self.device)[None]),
                            0)
-        anchor = _pick(logits[0, -1], temperature, sampler)
+        anchor = pick_token(logits[0, -1], temperature, sampler)
         return Decoding(StaticCacheState(self.cache), None, anchor, len(prompt_ids), [anchor])
 
     def step(self, state: Decoding, temperature: float, sampler: Sampler) -> list[int]:
-        from flashdraft.evaluate.decode import _verify
-
         k, p = self.drafter.block_size, state.position
         block = torch.full((1, k), self.drafter.mask_token_id, device=self.device)
         block[0, 0] = state.anchor
@@ -183,7 +179,7 @@ class StaticSpecDecoder(SpecDecoder):
         target_logits, features = self._call(self.verify, block, self.cache)
         # the context for all K positions, in place: those past the accepted ones lie beyond the new length
         self.context.write(self._call(self.project, features, positions), p)
-        emitted = _verify(drafts, q, target_logits[0], temperature, sampler)
+        emitted = verify_drafts(drafts, q, target_logits[0], temperature, sampler)
         state.cache.keep(block, len(emitted), None, None)
         return state.emit(emitted)
 
