@@ -46,12 +46,14 @@ TINY = {"tiny-a": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=
                        num_key_value_heads=2, head_dim=24, vocab_size=512)}
 
 
-def build_target(shape: dict, device: str, dtype):
+def build_target(shape: dict, device: str, dtype, **config_fields):
+    """A random-weight Qwen3 of `shape` (plus any other config fields, e.g. its tokenizer's special ids)."""
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     from flashdraft.model.target import Target
 
-    config = Qwen3Config(**shape, max_position_embeddings=40_960, rope_theta=1_000_000.0, tie_word_embeddings=False)
+    config = Qwen3Config(**shape, max_position_embeddings=40_960, rope_theta=1_000_000.0, tie_word_embeddings=False,
+                         **config_fields)
     with torch.device(device):
         model = Qwen3ForCausalLM(config).to(dtype)
     return Target.from_model(model, name=f"random {shape['hidden_size']}-wide Qwen3")

@@ -127,18 +127,17 @@ def decode_check(name: str, shape: dict, args, device: str, dtype, bandwidth: fl
 def save_target(shape: dict, path: Path, dtype, tokenizer_dir: str | None) -> None:
     """A random-weight Qwen3 of `shape` with SmolLM2's tokenizer and vocabulary (for a chat template): the
     embedded target's, or a copy of it in `tokenizer_dir` (benchmarks/gpu_prepare.sh makes one to carry)."""
-    from transformers import AutoTokenizer, Qwen3Config, Qwen3ForCausalLM
+    from transformers import AutoTokenizer
 
     if tokenizer_dir is None:
         from flashdraft.model.resolve import resolve_model
 
         tokenizer_dir = resolve_model("embedded", log=lambda s: None)
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
-    config = Qwen3Config(**{**shape, "vocab_size": len(tokenizer)}, max_position_embeddings=40_960,
-                         rope_theta=1_000_000.0, tie_word_embeddings=False, eos_token_id=tokenizer.eos_token_id,
-                         bos_token_id=tokenizer.bos_token_id)
     torch.manual_seed(0)
-    Qwen3ForCausalLM(config).to(dtype).save_pretrained(path)
+    target = gpu_check.build_target({**shape, "vocab_size": len(tokenizer)}, "cpu", dtype,
+                                    eos_token_id=tokenizer.eos_token_id, bos_token_id=tokenizer.bos_token_id)
+    target.model.save_pretrained(path)
     tokenizer.save_pretrained(path)
 
 

@@ -46,7 +46,7 @@ from flashdraft.artifact.manifest import (
 from flashdraft.artifact.ownership import commit_dir, hold_output
 from flashdraft.config import EvalConfig
 from flashdraft.errors import BadInput
-from flashdraft.evaluate.decode import SpecDecoder, divergence, target_only
+from flashdraft.evaluate.decode import SpecDecoder, divergence, target_only, until_stop
 from flashdraft.evaluate.report import markdown_report, plot, summarize
 from flashdraft.evaluate.sets import load_eval_sets
 from flashdraft.evaluate.static import StaticSpecDecoder, cuda_graphs, static_unsupported
@@ -231,12 +231,6 @@ def warm_up(decoder: StaticSpecDecoder, ids: list[int], target: Target, drafter,
         return StaticSpecDecoder(target, drafter, stop_ids), f"static KV cache (CUDA graphs failed: {why})"
     log(f"eval: CUDA graphs captured in {time.perf_counter() - started:.0f} s")
     return decoder, "static KV cache, CUDA graphs"
-
-
-def until_stop(tokens: list[int], stop_ids: set[int]) -> list[int]:
-    """Tokens up to and including the first stop token, where speculative decoding stops too."""
-    at = next((i for i, t in enumerate(tokens) if t in stop_ids), None)
-    return tokens if at is None else tokens[: at + 1]
 
 
 def lossless_detail(report: dict[str, Any], per_prompt: list[dict]) -> str:

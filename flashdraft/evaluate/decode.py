@@ -176,12 +176,10 @@ class SpecDecoder:
         started, sampler = time.perf_counter(), sampler or Sampler(generator)
         state = self.start(prompt_ids, temperature, sampler)
         while len(state.tokens) < max_new_tokens and state.anchor not in self.stop_ids:
-            emitted = self.step(state, temperature, sampler)
-            if self.stop_ids & set(emitted):
-                first_stop = next(i for i, t in enumerate(state.tokens) if t in self.stop_ids)
-                del state.tokens[first_stop + 1 :]
+            if self.stop_ids & set(self.step(state, temperature, sampler)):
                 break
-        return Decoded(state.tokens[:max_new_tokens], state.accepted, time.perf_counter() - started)
+        tokens = until_stop(state.tokens, self.stop_ids)[:max_new_tokens]
+        return Decoded(tokens, state.accepted, time.perf_counter() - started)
 
     def start(self, prompt_ids: list[int], temperature: float, sampler: Sampler) -> Decoding:
         """The prompt through the target (its cache and the drafter's context filled) and the first token."""
@@ -232,6 +230,12 @@ class SpecDecoder:
         q = torch.zeros(logits.shape, dtype=torch.float32, device=logits.device)
         q.scatter_(1, candidates, torch.softmax(scores.float() / temperature, dim=-1))
         return drafts, q
+
+
+def until_stop(tokens: list[int], stop_ids: set[int]) -> list[int]:
+    """Tokens up to and including the first stop token, where decoding stops."""
+    at = next((i for i, t in enumerate(tokens) if t in stop_ids), None)
+    return tokens if at is None else tokens[: at + 1]
 
 
 def pick_token(logits: torch.Tensor, temperature: float, sampler: Sampler) -> int:

@@ -110,10 +110,18 @@ class StaticCacheState:
         return None
 
     def keep(self, block: torch.Tensor, accepted: int, snapshot, advance) -> None:
-        drop = block.shape[1] - accepted
-        if drop:  # every layer's position, a tensor on the device, moved back in place (transformers ≥ 5.17)
-            for layer in self.cache.layers:
-                layer.cumulative_length.sub_(drop)
+        if drop := block.shape[1] - accepted:
+            move_back(self.cache, drop)
+
+
+def move_back(cache, positions: int | None = None) -> None:
+    """Every layer's position — a tensor on the device (transformers ≥ 5.17), moved in place — back by
+    `positions`, or to 0 for a new decoding. What lies past it is masked, and overwritten by the next pass."""
+    for layer in cache.layers:
+        if positions is None:
+            layer.cumulative_length.zero_()
+        else:
+            layer.cumulative_length.sub_(positions)
 
 
 class StaticSpecDecoder(SpecDecoder):
@@ -128,7 +136,7 @@ class StaticSpecDecoder(SpecDecoder):
         self.device = self.lm_head.weight.device
         self.dtype = next(drafter.parameters()).dtype
         self.compiled = compiler is not None
-        self.capacity, self.max_new_tokens = 0, 0
+        self.capacity = 0
         compiler = compiler or (lambda fn: fn)
         # one compiled callable per fixed shape: each is captured once and replayed
         self.one_token = compiler(self._target_pass)
@@ -137,11 +145,11 @@ class StaticSpecDecoder(SpecDecoder):
         self.project = compiler(self.drafter.context_kv)
 
     def reserve(self, tokens: int) -> None:
-        """Buffers for a decoding that may reach `tokens` positions (the prompt, the new tokens, one block)."""
+        """Buffers for decodings that may reach `tokens` positions (the prompt, the new tokens, one block); the
+        ones held are kept when they are large enough (new buffers would mean new graphs)."""
         from transformers import StaticCache
 
         if tokens <= self.capacity:
-            self.cache.reset()
             return
         self.capacity = -(-tokens // CAPACITY_STEP) * CAPACITY_STEP
         self.cache = StaticCache(config=self.target.config, max_cache_len=self.capacity)
@@ -159,7 +167,8 @@ class StaticSpecDecoder(SpecDecoder):
 
     def start(self, prompt_ids: list[int], temperature: float, sampler: Sampler) -> Decoding:
         # the prompt's length varies: prefilled eagerly, into the same buffers the graphs read
-        self.reserve(len(prompt_ids) + self.max_new_tokens + 2 * self.drafter.block_size)
+        self.reserve(len(prompt_ids) + 2 * self.drafter.block_size)  # (generate reserved its new tokens too)
+        move_back(self.cache)
         ids = torch.tensor([prompt_ids], device=self.device)
         logits, features = self._target_pass(ids, self.cache)
         self.context.write(self.drafter.context_kv(features, torch.arange(len(prompt_ids), device=self.device)[None]),
@@ -173,7 +182,7 @@ class StaticSpecDecoder(SpecDecoder):
         block[0, 0] = state.anchor
         positions = torch.arange(p, p + k, device=self.device)[None]
         ctx_kv, masks = self.context.for_block(p)
-        (hidden,) = self._call(lambda *a: (self.block_pass(*a),), block, positions, ctx_kv, masks)
+        hidden = self._call(self.block_pass, block, positions, ctx_kv, masks)
         drafts, q = self._draft(hidden[0], state.anchor, temperature, sampler)
         block[0, 1:] = drafts
         target_logits, features = self._call(self.verify, block, self.cache)
@@ -184,7 +193,7 @@ class StaticSpecDecoder(SpecDecoder):
         return state.emit(emitted)
 
     def generate(self, prompt_ids, max_new_tokens, temperature=0.0, generator=None, sampler=None):
-        self.max_new_tokens = max_new_tokens
+        self.reserve(len(prompt_ids) + max_new_tokens + 2 * self.drafter.block_size)
         return super().generate(prompt_ids, max_new_tokens, temperature, generator, sampler)
 
     @torch.inference_mode()
@@ -192,6 +201,7 @@ class StaticSpecDecoder(SpecDecoder):
         """Greedy target-only decoding through the same static cache and the same compiled one-token pass."""
         started = time.perf_counter()
         self.reserve(len(prompt_ids) + max_new_tokens + 2 * self.drafter.block_size)
+        move_back(self.cache)
         logits, _ = self._target_pass(torch.tensor([prompt_ids], device=self.device), self.cache)
         tokens = [int(logits[0, -1].argmax())]
         while len(tokens) < max_new_tokens and tokens[-1] not in self.stop_ids:

@@ -132,7 +132,6 @@ def test_a_greedy_step_reads_from_the_device_once(target, monkeypatch):
     from flashdraft.evaluate.decode import Sampler
 
     static = StaticSpecDecoder(target, agreeing(target, drafter(target), PROMPTS[0], 24), set())
-    static.max_new_tokens = 24
     state = static.start(PROMPTS[0], 0.0, Sampler())
     reads = []
 
