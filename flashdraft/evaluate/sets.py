@@ -27,7 +27,7 @@ from typing import Any
 import yaml
 
 from flashdraft.errors import BadInput
-from flashdraft.generate.prompts import Prompt, Rejected, load_prompts, read_records
+from flashdraft.generate.prompts import BUILTIN, Prompt, Rejected, load_prompts, read_records
 from flashdraft.records import prompt_id
 
 
@@ -66,6 +66,10 @@ def load_eval_sets(sources: list[str], max_prompts: int) -> list[EvalSet]:
     for source in sources:
         name, path = split_source(source)
         if name is None:
+            if not source.startswith(BUILTIN) and not Path(source).exists():
+                raise BadInput(f"prompts not found: {source} (a JSONL / Parquet file, a save_to_disk directory, "
+                               f"builtin:NAME, or a standard set: {', '.join(standard_sets())}, each also as "
+                               "NAME=PATH)")
             loaded = load_prompts(source)
             prompts = [EvalPrompt(source, p) for p in loaded.prompts[:max_prompts]]
             out.append(EvalSet(source, prompts, loaded.rejected))
@@ -109,9 +113,9 @@ def _rows(name: str, spec: dict[str, Any], path: str | None):
                            f"copy it where this machine can read it and pass --prompts {name}=PATH") from None
         yield from enumerate(rows, start=1)
         return
-    if not Path(path).exists():
-        raise BadInput(f"{name}: {path} not found (a JSONL / Parquet file or save_to_disk directory in "
-                       f"{spec['hub'][0]}'s own schema)")
+    if not path or not Path(path).exists():
+        raise BadInput(f"{name}: {path or 'no path after ='} not found (a JSONL / Parquet file or save_to_disk "
+                       f"directory in {spec['hub'][0]}'s own schema)")
     for number, record, _ in read_records(path):
         yield number, record  # a line that is not JSON comes as its BadRecord, rejected with the others
 

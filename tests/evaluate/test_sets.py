@@ -78,6 +78,10 @@ def test_sources_are_told_apart_and_a_missing_copy_is_one_clear_error(tmp_path):
     assert split_source("data/gsm8k.jsonl") == (None, None)  # a prompt file, read as generate reads prompts
     with pytest.raises(BadInput, match="gsm8k: .*nope.jsonl not found .*openai/gsm8k's own schema"):
         load_standard("gsm8k", str(tmp_path / "nope.jsonl"))
+    with pytest.raises(BadInput, match="gsm8k: no path after = not found"):
+        load_standard("gsm8k", "")
+    with pytest.raises(BadInput, match="prompts not found: mtbench .*or a standard set: gsm8k, math500, .*mt-bench"):
+        load_eval_sets(["mtbench"], 5)  # a misspelt set name is not taken for a file that happens to be missing
     with pytest.raises(BadInput, match="named twice"):
         load_eval_sets([f"gsm8k={ASSETS / 'gsm8k.jsonl'}", "gsm8k"], 5)
 
