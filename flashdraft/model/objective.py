@@ -59,7 +59,7 @@ def block_attention_mask(anchors_N: torch.Tensor, block_size: int, context_len: 
     no engine-specific flag is needed for them to compute what training computed."""
     n = anchors_N.shape[0]
     block_of = torch.arange(n).repeat_interleave(block_size)  # S
-    anchor_of = anchors_N.cpu()[block_of]  # S
+    anchor_of = anchors_N[block_of]  # S (anchors are host tensors: planned on the host)
     context = torch.arange(context_len)[None, :]
     sees_context = context < anchor_of[:, None]  # S × C: strictly before the anchor
     if window is not None:
@@ -152,16 +152,25 @@ def expected_acceptance_length(accept_rate_by_position: list[float]) -> float:
     return tau
 
 
+def position_counts(predicted_NK, labels_NK, weights_NK) -> torch.Tensor:
+    """Greedy acceptance at block positions 1..K−1, as counts on the tensors' device (2 × (K−1): right, asked):
+    position k is asked when the drafts before it were all accepted and its label is supervised, and right when
+    the drafter's greedy token there is the label. `rates_from_counts` turns them into the conditional accuracy
+    `expected_acceptance_length` reads. Counts, not rates, so a step reads them from the device once."""
+    weights_NK = weights_NK.to(predicted_NK.device)
+    correct = (predicted_NK == labels_NK.to(predicted_NK.device)) | (weights_NK == 0)
+    prefix = torch.cumprod(correct[:, 1:].int(), dim=1).bool()  # N × (K−1): accepted through k
+    alive = torch.cat([torch.ones_like(prefix[:, :1]), prefix[:, :-1]], dim=1)  # accepted before k
+    asked = alive & (weights_NK[:, 1:] > 0)
+    return torch.stack([(prefix & asked).sum(0), asked.sum(0)])
+
+
+def rates_from_counts(right: list, asked: list) -> list[float]:
+    """Per block position, right / asked; NaN where no block was asked (no sample reached that position)."""
+    return [r / a if a else math.nan for r, a in zip(right, asked, strict=True)]
+
+
 def per_position_accuracy(predicted_NK, labels_NK, weights_NK) -> list[float]:
     """Conditional accuracy at block positions 1..K−1 of the drafter's greedy tokens `predicted_NK`: correct at k
     given correct at all 1..k−1 (greedy acceptance), over supervised labels. Feeds `expected_acceptance_length`."""
-    correct = (predicted_NK == labels_NK) | (weights_NK == 0)
-    prefix = torch.cumprod(correct[:, 1:].int(), dim=1)  # N × (K−1): accepted through k
-    rates = []
-    alive = torch.ones(prefix.shape[0], dtype=torch.bool)
-    for j in range(prefix.shape[1]):
-        supervised = weights_NK[:, j + 1] > 0
-        eligible = alive & supervised
-        rates.append(float(prefix[eligible, j].float().mean()) if eligible.any() else math.nan)
-        alive = prefix[:, j].bool()
-    return rates
+    return rates_from_counts(*position_counts(predicted_NK, labels_NK, weights_NK).tolist())

@@ -77,10 +77,10 @@ from flashdraft.train.data import (
     run_split,
     token_counts,
 )
-from flashdraft.train.distributed import Placement, barrier, checked_once_a_node, place, wrap
+from flashdraft.train.distributed import Placement, barrier, checked_once_a_node, collective_device, place, wrap
 from flashdraft.train.metrics import MetricSinks, json_rates, mean_rates, selector_metrics, truncate_metrics
 from flashdraft.train.optim import Optimizers, build_optimizers
-from flashdraft.train.step import Planned, batch_step, evaluate_heldout, plan_batch
+from flashdraft.train.step import Planned, batch_step, evaluate_heldout, plan_batch, read_results
 
 __all__ = ["BadTrainingInput", "run"]
 
@@ -358,13 +358,10 @@ def loop(cfg: TrainConfig, s: Setup, position: dict, sinks: MetricSinks, shipper
                 if prefetcher is not None and b + 1 < s.steps_per_epoch and step + 1 < s.total_steps:
                     upcoming = mine[(b + 1) * cfg.batch_size : (b + 2) * cfg.batch_size]
                     pending = (epoch, b + 1, prefetcher.submit(prepare, cfg, s, upcoming, epoch))
-                results, loss = accumulate(cfg, s, plans)
-                grad_norm = torch.nn.utils.clip_grad_norm_(s.drafter.parameters(), cfg.grad_clip)
-                if not (math.isfinite(loss) and math.isfinite(float(grad_norm))):  # the same on every rank
+                results, loss, grad_norm = optimizer_step(cfg, s, plans)
+                if not (math.isfinite(loss) and math.isfinite(grad_norm)):  # the same on every rank
                     raise Diverged(divergence(cfg, step + 1, f"its loss is {loss}" if not math.isfinite(loss)
-                                              else f"its gradient norm is {float(grad_norm)}", out))
-                s.optimizers.step()  # and their schedules
-                s.optimizers.zero_grad()
+                                              else f"its gradient norm is {grad_norm}", out))
                 step += 1
                 position = {"step": step, "epoch": epoch, "batch": b + 1}
                 last = step_metrics(step, epoch, results, loss, world, time.perf_counter() - t0, s.optimizers)
@@ -409,7 +406,8 @@ def divergence(cfg: TrainConfig, step: int, what: str, out: Path) -> str:
 
 def all_finite(drafter: torch.nn.Module, world: int) -> bool:
     """Whether every rank's weights (its shards, under FSDP) are finite: one answer, the same on every rank."""
-    finite = torch.tensor([0.0 if nonfinite_weights(drafter) else 1.0])
+    finite = torch.tensor([0.0 if nonfinite_weights(drafter) else 1.0], device=collective_device() if world > 1
+                          else "cpu")
     if world > 1:
         import torch.distributed as dist
 
@@ -450,35 +448,53 @@ def prepare(cfg: TrainConfig, s: Setup, batch: list[int], epoch: int) -> list[Pl
         features = None if s.cache is None else [s.cache[index] for index in chunk]
         teachers = None if s.cache is None else [s.cache.teacher(index) for index in chunk]
         plans.append(plan_batch(s.target, [(rows[i]["input_ids"], rows[i]["loss_mask"]) for i in chunk], cfg, gens,
-                                s.drafter.block_size, features, teachers))
+                                s.drafter.block_size, features, teachers, s.drafter.mask_token_id))
     return plans
 
 
-def accumulate(cfg: TrainConfig, s: Setup, plans: list[Planned]) -> tuple[list[dict], float]:
+def optimizer_step(cfg: TrainConfig, s: Setup, plans: list[Planned]) -> tuple[list[dict], float, float]:
+    """One optimizer step — gradients, clipping, the update (and the schedules) — then everything it reports
+    (loss, gradient norm, each sequence's stats) in one read from the device, its only one: the host queues the
+    whole step before it waits. So a step that is not finite is found after its update; the run stops right
+    there (Diverged) and nothing from that update is saved."""
+    pending, totals = accumulate(cfg, s, plans)
+    grad_norm = torch.nn.utils.clip_grad_norm_(s.drafter.parameters(), cfg.grad_clip)
+    s.optimizers.step()
+    s.optimizers.zero_grad()
+    loss = totals[1] / totals[0].clamp(min=1e-8)
+    if hasattr(grad_norm, "full_tensor"):  # under FSDP the norm is a DTensor (already summed over the shards)
+        grad_norm = grad_norm.full_tensor()
+    results, (loss_value, norm_value) = read_results(pending, also=(loss, grad_norm))
+    return [r for r in results if r], loss_value[0], norm_value[0]
+
+
+def accumulate(cfg: TrainConfig, s: Setup, plans: list[Planned]) -> tuple[list[dict], torch.Tensor]:
     """Gradients of one optimizer step, one forward pass per planned micro-batch (DDP syncs on the last one
-    only), and the step's loss. The loss is Σ CE·w / Σ w over every block of the step — all micro-batches and all
-    ranks — so no update depends on how the sequences were split: each micro-batch backpropagates its Σ CE·w,
-    and once the step's weight total is known (summed across ranks) the gradients are divided by it (times the
-    world size, undoing DDP's mean over ranks)."""
+    only), and the step's totals (Σ w, Σ CE·w; on the device, unread). The loss is Σ CE·w / Σ w over every block
+    of the step — all micro-batches and all ranks — so no update depends on how the sequences were split: each
+    micro-batch backpropagates its Σ CE·w, and once the step's weight total is known (summed across ranks) the
+    gradients are divided by it (times the world size, undoing DDP's mean over ranks)."""
+    device = s.where.device
     results = []
+    totals = torch.zeros(2, dtype=torch.float64, device=device)
     for c, plan in enumerate(plans):
         sync = nullcontext() if c == len(plans) - 1 or not hasattr(s.model, "no_sync") else s.model.no_sync()
         with sync:
-            done = [r for r in batch_step(s.model, s.target, [], cfg, [], s.where.device, planned=plan) if r]
+            done = [r for r in batch_step(s.model, s.target, [], cfg, [], device, planned=plan, read=False) if r]
             if done:
-                sum(r["weighted_ce"] for r in done).backward()
+                weighted_ce = sum(r["weighted_ce"] for r in done)
+                weighted_ce.backward()
+                totals += torch.stack([sum(r["weight"] for r in done), weighted_ce.detach()]).to(totals)
             results.extend(done)
-    totals = torch.tensor([sum(r["weight"] for r in results), sum(r["weighted_ce"].item() for r in results)],
-                          dtype=torch.float64)
-    if s.where.world > 1:
+    if s.where.world > 1:  # on the training device: nccl sends only GPU tensors
         import torch.distributed as dist
 
         dist.all_reduce(totals)
-    weight, weighted_ce = max(float(totals[0]), 1e-8), float(totals[1])
+    scale = s.where.world / totals[0].clamp(min=1e-8)
     for p in s.drafter.parameters():
         if p.grad is not None:
-            p.grad.mul_(s.where.world / weight)
-    return results, weighted_ce / weight
+            p.grad.mul_(scale)
+    return results, totals
 
 
 def step_metrics(step: int, epoch: int, results: list[dict], loss: float, world: int, seconds: float,

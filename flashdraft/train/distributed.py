@@ -72,7 +72,7 @@ def barrier(world: int) -> None:
         torch.distributed.barrier()
 
 
-def _collective_device() -> torch.device:
+def collective_device() -> torch.device:
     # nccl sends only GPU tensors; one GPU per local rank keeps two ranks of a node off the same device
     if torch.distributed.get_backend() == "nccl":
         return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
@@ -91,7 +91,7 @@ def checked_once_a_node(world: int, check: Callable[[], None]) -> None:
             check()
         except ExpectedFailure as e:
             failure = e
-    failed = torch.tensor([int(failure is not None)], device=_collective_device())
+    failed = torch.tensor([int(failure is not None)], device=collective_device())
     torch.distributed.all_reduce(failed, op=torch.distributed.ReduceOp.MAX)
     if failure is not None:
         raise failure
@@ -106,7 +106,7 @@ def from_rank_zero(world: int, compute: Callable[[], list[torch.Tensor]], count:
     if world == 1:
         return compute()
     rank = torch.distributed.get_rank()
-    device = _collective_device()
+    device = collective_device()
     vectors = compute() if rank == 0 else None
     lengths = torch.tensor([len(v) for v in vectors] if vectors is not None else [0] * count, device=device)
     torch.distributed.broadcast(lengths, src=0)

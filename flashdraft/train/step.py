@@ -22,7 +22,8 @@ from flashdraft.model.objective import (
     build_blocks,
     dpace_weights,
     expected_acceptance_length,
-    per_position_accuracy,
+    position_counts,
+    rates_from_counts,
     sample_anchors,
 )
 from flashdraft.model.target import Target
@@ -50,13 +51,44 @@ class Planned:
     features_BCF: torch.Tensor | None
     teachers: list | None = None  # per live sequence: the target's top-k (ids, log-probs) after each position
     labels: list | None = None  # per live sequence (train.labels: target): the target's argmax at each position
+    blocks: Blocks | None = None  # the drafter's input, when the plan was made knowing its mask token
+
+
+@dataclass
+class Blocks:
+    """A planned micro-batch's blocks, built on the host (on the prefetch thread when there is one), every live
+    sequence padded to the most anchors: a padding block has anchor 0 and no loss weight."""
+
+    anchors_BN: torch.Tensor
+    ids_BNK: torch.Tensor  # [anchor token, MASK × (K − 1)]
+    positions_BNK: torch.Tensor
+    targets: list  # per live sequence: (labels N × K, weights N × K)
+
+
+def build_batch_blocks(plan: Planned, k: int, mask_token_id: int, gamma: float | None) -> Blocks:
+    live = plan.live
+    n_max = max(len(anchors) for *_, anchors in live)
+    anchors_BN = torch.zeros(len(live), n_max, dtype=torch.long)
+    block_ids = torch.full((len(live), n_max, k), mask_token_id, dtype=torch.long)
+    positions = torch.zeros(len(live), n_max, k, dtype=torch.long)
+    targets = []
+    for b, (_, ids_T, mask_T, anchors) in enumerate(live):
+        ids_b, pos_b, labels, weights = build_blocks(ids_T, mask_T, anchors, k, mask_token_id, gamma,
+                                                       label_ids_T=None if plan.labels is None else plan.labels[b])
+        n = len(anchors)
+        anchors_BN[b, :n], block_ids[b, :n], positions[b, :n] = anchors, ids_b, pos_b
+        positions[b, n:] = torch.arange(k)  # padding blocks: any positions, they see only themselves
+        targets.append((labels, weights))
+    return Blocks(anchors_BN, block_ids, positions, targets)
 
 
 def plan_batch(target: Target, rows: list, cfg: TrainConfig, generators: list, block_size: int,
-               features: list | None = None, teachers: list | None = None) -> Planned:
+               features: list | None = None, teachers: list | None = None,
+               mask_token_id: int | None = None) -> Planned:
     """Anchors of each sequence, and the target's features for the batch: from the cache (offline mode), or
     one target pass over the batch on a GPU (right padding: the target is causal, real positions are unchanged),
-    one pass per sequence on a CPU."""
+    one pass per sequence on a CPU. With `mask_token_id` (the drafter's), the blocks too, so the step itself
+    does no host work."""
     live = []
     for i, ((ids_T, mask_T), generator) in enumerate(zip(rows, generators, strict=True)):
         ids_T, mask_T = torch.as_tensor(ids_T[: cfg.max_length]).long(), torch.as_tensor(mask_T[: cfg.max_length])
@@ -90,7 +122,10 @@ def plan_batch(target: Target, rows: list, cfg: TrainConfig, generators: list, b
     kept = [teachers[i] for i, *_ in live] if teachers is not None and teachers[live[0][0]] is not None else None
     if want_labels and labels is None:  # offline: the cache's top-1 after position p − 1 is the target's label at p
         labels = [cached_labels(ids_T, teacher) for (_, ids_T, _, _), teacher in zip(live, kept, strict=True)]
-    return Planned(len(rows), live, context_len, features_BCF, kept, labels)
+    plan = Planned(len(rows), live, context_len, features_BCF, kept, labels)
+    if mask_token_id is not None:
+        plan.blocks = build_batch_blocks(plan, block_size, mask_token_id, cfg.loss_decay_gamma)
+    return plan
 
 
 def cached_labels(ids_T: torch.Tensor, teacher: tuple) -> torch.Tensor:
@@ -115,14 +150,17 @@ def target_pass(target: Target, ids_BT: torch.Tensor, context_len: int, want_lab
 
 def batch_step(model, target: Target, rows: list, cfg: TrainConfig, generators: list, device,
                features: list | None = None, planned: Planned | None = None,
-               teachers: list | None = None) -> list[dict | None]:
+               teachers: list | None = None, read: bool = True) -> list[dict | None]:
     """Every block of several sequences in one forward pass: per sequence (in order) its loss (with grad),
     accuracy stats and sizes, or None if it has no anchor.
 
     Sequences are padded to the batch's longest context and most anchors: padding context is never attended
     (a block sees only positions before its anchor), and a padding block (anchor 0) sees only itself and has
     no loss weight. Each sequence's loss is normalised by its own weights, exactly as one at a time (the
-    equality is tested). `planned`: the micro-batch already planned (anchors, features), e.g. prefetched."""
+    equality is tested). `planned`: the micro-batch already planned (anchors, features), e.g. prefetched.
+
+    Nothing here waits for the device: the stats stay device tensors until `read_results` reads them all at once
+    (`read=False` leaves that to the caller, which reads them with the step's loss and gradient norm)."""
     drafter: DFlashDrafter = getattr(model, "module", model)
     k = drafter.block_size
     plan = planned or plan_batch(target, rows, cfg, generators, k, features, teachers)
@@ -130,70 +168,101 @@ def batch_step(model, target: Target, rows: list, cfg: TrainConfig, generators: 
     if not plan.live:
         return results
     live, context_len = plan.live, plan.context_len
-    n_max = max(len(anchors) for *_, anchors in live)
+    blocks = plan.blocks or build_batch_blocks(plan, k, drafter.mask_token_id, cfg.loss_decay_gamma)
     features_BCF = plan.features_BCF.to(device=device, dtype=torch.float32)
-
-    anchors_BN = torch.zeros(len(live), n_max, dtype=torch.long)
-    block_ids = torch.full((len(live), n_max, k), drafter.mask_token_id, dtype=torch.long)
-    positions = torch.zeros(len(live), n_max, k, dtype=torch.long)
-    targets = []
-    for b, (_, ids_T, mask_T, anchors) in enumerate(live):
-        ids_b, pos_b, labels, weights = build_blocks(ids_T, mask_T, anchors, k, drafter.mask_token_id,
-                                                       cfg.loss_decay_gamma,
-                                                       label_ids_T=None if plan.labels is None else plan.labels[b])
-        n = len(anchors)
-        anchors_BN[b, :n], block_ids[b, :n], positions[b, :n] = anchors, ids_b, pos_b
-        positions[b, n:] = torch.arange(k)  # padding blocks: any positions, they see only themselves
-        targets.append((labels, weights))
     embed = target.model.get_input_embeddings()
     with torch.no_grad():
-        block_embeds = embed(block_ids.view(len(live), -1).to(embed.weight.device)).to(device, torch.float32)
+        block_embeds = embed(blocks.ids_BNK.view(len(live), -1).to(embed.weight.device)).to(device, torch.float32)
+    anchors_BN = blocks.anchors_BN
     allowed = block_masks(anchors_BN if len(live) > 1 else anchors_BN[0], k, context_len, drafter.sliding_window,
                           device)
     on_cuda = str(device).startswith("cuda")
     bf16 = on_cuda if cfg.bf16 is None else cfg.bf16
     with torch.autocast("cuda" if on_cuda else "cpu", dtype=torch.bfloat16, enabled=bf16):
-        hidden = model(block_embeds, features_BCF, positions.view(len(live), -1).to(device),
+        hidden = model(block_embeds, features_BCF, blocks.positions_BNK.view(len(live), -1).to(device),
                        torch.arange(context_len, device=device)[None].expand(len(live), -1), allowed)
         head = target.head_weight(drafter)
         if not bf16 and head.dtype != hidden.dtype:  # a bfloat16 target (train.target_dtype) without autocast
             head = head.to(hidden.dtype)
         logits_BSV = drafter.unary_logits((hidden.to(head.device) @ head.T).to(device))
     for b, (i, ids_T, _, anchors) in enumerate(live):
-        labels, weights = targets[b]
+        labels, weights = blocks.targets[b]
+        labels, weights = labels.to(device), weights.to(device)
         n = len(anchors)
         logits = logits_BSV[b, : n * k]
         hard_weights = weights
         if drafter.draft_vocab_size:  # labels into the draft vocabulary; a token outside it cannot be proposed
             labels, inside = drafter.draft_labels(labels)
             hard_weights = weights * inside
-        ce = torch.nn.functional.cross_entropy(logits.float(), labels.view(-1).clamp(min=0).to(device),
-                                               reduction="none")
+        ce = torch.nn.functional.cross_entropy(logits.float(), labels.view(-1).clamp(min=0), reduction="none")
         if cfg.loss == "dpace":  # the weights follow the draft's own (detached) confidence in each label
-            weights = hard_weights = dpace_weights(ce.view(n, k), (hard_weights > 0).to(device),
-                                                   cfg.dpace_alpha).to(weights.dtype).cpu()
-        weights_S, hard_S = weights.reshape(-1).to(device), hard_weights.reshape(-1).to(device)
+            weights = hard_weights = dpace_weights(ce.view(n, k), hard_weights > 0, cfg.dpace_alpha).to(weights.dtype)
+        weights_S, hard_S = weights.reshape(-1), hard_weights.reshape(-1)
         weighted_ce = (ce * hard_S).sum()
         if plan.teachers is not None and cfg.distill_weight > 0:
             soft_ce = distill_ce(drafter, logits, plan.teachers[b], anchors, k)
             weighted_ce = (1 - cfg.distill_weight) * weighted_ce + cfg.distill_weight * (soft_ce * weights_S).sum()
         with torch.no_grad():
-            predicted = logits.view(n, k, -1).argmax(-1).cpu()  # the drafter's greedy tokens
+            predicted = logits.view(n, k, -1).argmax(-1)  # the drafter's greedy tokens
+        weight = weights_S.sum()
         extra = {}
         if is_dflash2(drafter):  # the selector's loss; its path is what decoding proposes
-            selector = selector_step(drafter, logits, hidden[b, : n * k], block_ids[b, :n, 0], labels, hard_S)
+            selector = selector_step(drafter, logits, hidden[b, : n * k], blocks.ids_BNK[b, :n, 0], labels, hard_S)
             weighted_ce = weighted_ce + cfg.selector_loss_weight * selector.pop("weighted_ce")
-            extra = {**selector, "unary_rates": per_position_accuracy(predicted, labels, weights)}
+            extra = {"recall": selector["recall"], "selector": selector["selector"],
+                     "unary_counts": position_counts(predicted, labels, weights)}
             predicted = selector["path"]
         with torch.no_grad():
-            rates = per_position_accuracy(predicted, labels, weights)
+            counts = position_counts(predicted, labels, weights)
             accepted = accepted_drafts(predicted, labels, weights)
-        weight = float(weights_S.sum())
         # `weighted_ce` and `weight` are summed over the whole optimizer step before dividing (train.accumulate);
         # `loss` is this sequence's own ratio, for tests and benchmarks that step one sequence.
-        results[i] = {"loss": weighted_ce / max(weight, 1e-8), "weighted_ce": weighted_ce, "weight": weight,
-                      "rates": rates, "accepted": accepted, "tokens": int(ids_T.shape[0]), "anchors": n, **extra}
-    return results
+        results[i] = {"loss": weighted_ce / weight.clamp(min=1e-8), "weighted_ce": weighted_ce, "weight": weight,
+                      "counts": counts, "accepted": accepted, "tokens": int(ids_T.shape[0]), "anchors": n, **extra}
+    return read_results(results)[0] if read else results
+
+
+def _halves(v: list) -> list[float]:
+    return rates_from_counts(v[: len(v) // 2], v[len(v) // 2 :])
+
+
+# What a step result holds on the device until it is read: its key, the name it is read as, and how.
+READ_AS = {
+    "weight": ("weight", lambda v: v[0]),
+    "counts": ("rates", _halves),
+    "unary_counts": ("unary_rates", _halves),
+    "accepted": ("accepted", lambda v: [int(x) for x in v]),
+    "recall": ("recall", lambda v: (int(v[0]), int(v[1]))),
+    "selector": ("selector", lambda v: (int(v[0]), int(v[1]))),
+}
+
+
+def read_results(results: list[dict | None], also: tuple = ()) -> tuple[list[dict | None], list[list[float]]]:
+    """The step results' device stats as Python numbers (`weight` a float, `counts` as `rates`, `accepted` a list
+    …), and the values of the tensors in `also`, in one read from the device. Every read of a GPU tensor waits for
+    the GPU to finish what was queued before it, and the host queues nothing meanwhile: one read a step, not one a
+    number, is what keeps a step at the GPU's pace."""
+    keyed = [(i, key) for i, r in enumerate(results) if r for key in READ_AS if key in r]
+    values = read_once([results[i][key] for i, key in keyed] + list(also))
+    read = [dict(r) if r else r for r in results]
+    for (i, key), v in zip(keyed, values, strict=False):
+        name, convert = READ_AS[key]
+        del read[i][key]
+        read[i][name] = convert(v)
+    return read, values[len(keyed) :]
+
+
+def read_once(tensors: list[torch.Tensor]) -> list[list[float]]:
+    """Each tensor's values, flattened, from one device-to-host copy (float64 holds every count and float32 exactly)."""
+    if not tensors:
+        return []
+    device = tensors[0].device
+    flat = torch.cat([t.detach().reshape(-1).to(device, torch.float64) for t in tensors]).tolist()
+    values, at = [], 0
+    for t in tensors:
+        values.append(flat[at : at + t.numel()])
+        at += t.numel()
+    return values
 
 
 def selector_step(drafter, unary_SV, hidden_SD, anchor_ids_N, labels_NK, weights_S) -> dict:
@@ -204,19 +273,20 @@ def selector_step(drafter, unary_SV, hidden_SD, anchor_ids_N, labels_NK, weights
     inside the top-K′, of the supervised ones) and `selector` (the selector's pick right, of those inside)."""
     n, k = labels_NK.shape
     device = unary_SV.device
-    anchor = anchor_ids_N.cpu()[:, None]
-    previous = torch.cat([anchor, anchor, labels_NK[:, 1:-1]], dim=1).reshape(-1).to(device)  # N × K
+    anchor = anchor_ids_N.to(device)[:, None]
+    labels_NK = labels_NK.to(device)
+    previous = torch.cat([anchor, anchor, labels_NK[:, 1:-1]], dim=1).reshape(-1)  # N × K
     candidates, scores = drafter.selector_scores(unary_SV, hidden_SD, previous)
-    gold = candidates == labels_NK.reshape(-1, 1).to(device)
+    gold = candidates == labels_NK.reshape(-1, 1)
     inside = gold.any(-1)
     ce = torch.nn.functional.cross_entropy(scores.float(), gold.int().argmax(-1), reduction="none")
     weighted_ce = (ce * inside * weights_S).sum()
-    with torch.no_grad():
-        path = candidates.gather(-1, scores.argmax(-1, keepdim=True)).view(n, k).cpu()
-        supervised = (weights_S > 0).cpu()
-        inside, right = inside.cpu() & supervised, (path.view(-1) == labels_NK.reshape(-1)) & supervised
-    return {"weighted_ce": weighted_ce, "path": path, "recall": (int(inside.sum()), int(supervised.sum())),
-            "selector": (int((right & inside).sum()), int(inside.sum()))}
+    with torch.no_grad():  # counts as device tensors: the step reads them with everything else (read_results)
+        path = candidates.gather(-1, scores.argmax(-1, keepdim=True)).view(n, k)
+        supervised = weights_S.to(device) > 0
+        inside, right = inside & supervised, (path.view(-1) == labels_NK.reshape(-1)) & supervised
+    return {"weighted_ce": weighted_ce, "path": path, "recall": torch.stack([inside.sum(), supervised.sum()]),
+            "selector": torch.stack([(right & inside).sum(), inside.sum()])}
 
 
 def distill_ce(drafter: DFlashDrafter, logits_SV: torch.Tensor, teacher: tuple, anchors_N: torch.Tensor,
@@ -240,11 +310,11 @@ def _padded(features_CF: torch.Tensor, length: int) -> torch.Tensor:
     return features_CF if pad == 0 else torch.cat([features_CF, features_CF.new_zeros(pad, features_CF.shape[1])])
 
 
-def accepted_drafts(predicted_NK, labels_NK, weights_NK) -> list[int]:
-    """Per block: how many drafts greedy verification would accept — the leading block positions 1..K−1 whose
-    greedy token is the label, stopping at the first wrong one or the first label that is not supervised."""
-    good = (predicted_NK == labels_NK) & (weights_NK > 0)
-    return good[:, 1:].int().cumprod(dim=1).sum(dim=1).tolist()
+def accepted_drafts(predicted_NK, labels_NK, weights_NK) -> torch.Tensor:
+    """Per block (a device tensor): how many drafts greedy verification would accept — the leading block positions
+    1..K−1 whose greedy token is the label, stopping at the first wrong one or the first label not supervised."""
+    good = (predicted_NK == labels_NK.to(predicted_NK.device)) & (weights_NK.to(predicted_NK.device) > 0)
+    return good[:, 1:].int().cumprod(dim=1).sum(dim=1)
 
 
 @torch.no_grad()

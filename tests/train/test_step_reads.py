@@ -1,0 +1,53 @@
+"""A training step waits for the device once: every way a tensor's value reaches Python is counted while real
+optimizer steps run (planned micro-batches in, update applied, stats out), by where it is called from. On a GPU
+each such read stalls the host until the queue drains; in the loop that was one per sequence and statistic."""
+
+import sys
+
+import pytest
+import torch
+
+from flashdraft.train import optimizer_step, prepare, setup
+from flashdraft.train.distributed import place
+from tests.train.test_train import quiet, tiny_cfg
+
+READS = ("tolist", "item", "__int__", "__float__", "__bool__", "__index__", "cpu", "numpy", "nonzero")
+
+
+def counted_reads(monkeypatch) -> list[tuple[str, str]]:
+    reads = []
+
+    def counted(name, original):
+        def read(self, *args, **kwargs):
+            caller = sys._getframe(1).f_code.co_filename
+            if "/flashdraft/" in caller:  # torch's own (the optimizers' host step counters) are not ours to count
+                reads.append((name, caller.split("/flashdraft/")[-1]))
+            return original(self, *args, **kwargs)
+        return read
+
+    for name in READS:
+        monkeypatch.setattr(torch.Tensor, name, counted(name, getattr(torch.Tensor, name)))
+    return reads
+
+
+@pytest.mark.parametrize("settings", [
+    {},
+    {"loss": "dpace", "labels": "target", "draft_vocab_size": 64, "micro_batch": 2},
+    {"architecture": "dflash2", "optimizer": "muon"},
+], ids=["dflash", "dpace-target-labels-draft-vocab", "dflash2-muon"])
+def test_an_optimizer_step_reads_from_the_device_once(tiny_target, tiny_dataset, tmp_path, monkeypatch, settings):
+    cfg = tiny_cfg(tiny_target, batch_size=4, **settings)
+    s = setup(cfg, tiny_dataset, tmp_path, tiny_target, place(cfg), None, quiet)
+    steps = [prepare(cfg, s, s.train_ids[i : i + 4], 0) for i in (0, 4)]  # host work, as on the prefetch thread
+    before = [p.detach().clone() for p in s.drafter.parameters()]
+    reads = counted_reads(monkeypatch)
+    outcomes = [optimizer_step(cfg, s, plans) for plans in steps]
+    monkeypatch.undo()
+    assert reads == [("tolist", "train/step.py")] * len(steps)  # read_once, at each step's end
+    for results, loss, grad_norm in outcomes:  # and that one read carried everything the step reports
+        assert results and all(isinstance(r["weight"], float) and len(r["rates"]) == cfg.block_size - 1
+                               and all(isinstance(n, int) for n in r["accepted"]) for r in results)
+        assert loss > 0 and grad_norm > 0
+        if cfg.architecture == "dflash2":
+            assert all(isinstance(r["recall"][1], int) and "unary_rates" in r for r in results)
+    assert any(not torch.equal(a, b) for a, b in zip(before, s.drafter.parameters(), strict=True))  # updated
