@@ -21,8 +21,10 @@ Qwen3-8B, bf16); the drafter is untrained (5 layers, block 16), so τ ≈ 1 and 
    apart (units in the last place) greedy speculative and target-only outputs are where they first differ — what
    `eval.near_tie_ulps` must allow with this device's bfloat16 kernels.
 3. `flashdraft train` through the CLI for a few steps (online features) against gpu_check's isolated step at the
-   same shape, sequence length and anchors, with the target's forward added to it; then the same training under
-   torch.profiler: the operators where the CLI's time goes, and how busy the device was.
+   same shape, sequence length and anchors, with the target's forward added to it (both in block positions a
+   second); then the same training under torch.profiler: the operators where the CLI's time goes, how busy the
+   device was, and how many synchronising CUDA calls each optimizer step makes (torch's sync debug mode; the
+   step is written to make one, its read of what it reports: tests/train/test_step_reads.py checks that on CPU).
 """
 
 from __future__ import annotations
@@ -34,6 +36,8 @@ import subprocess
 import sys
 import tempfile
 import time
+import warnings
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -197,7 +201,8 @@ def train_check(name: str, shape: dict, target_dir: Path, work: Path, args, devi
         raise SystemExit(f"flashdraft train failed:\n{proc.stderr[-3000:]}")
     metrics = [json.loads(line) for line in (work / "train" / "metrics.jsonl").read_text().splitlines()
                if line.strip()]
-    steps = [m["tokens_per_s"] for m in metrics if "tokens_per_s" in m][1:]  # the first step compiles
+    # block positions a second: the isolated step's unit (the sequences' own tokens are a quarter of them here)
+    steps = [m["block_tokens_per_s"] for m in metrics if "block_tokens_per_s" in m][1:]  # the first step compiles
     cli = statistics.median(steps)
 
     torch.manual_seed(0)
@@ -225,7 +230,7 @@ def train_profile(settings: dict, work: Path, device: str) -> dict:
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
     cfg = TrainConfig(**{**settings, "max_steps": 3})
     started = time.perf_counter()
-    with profile(activities=activities) as prof:
+    with profile(activities=activities) as prof, syncs_per_step(device) as syncs:
         run(cfg, work / "data", work / "profiled", log=lambda s: None)
         gpu_check.sync(device)
     wall = time.perf_counter() - started
@@ -233,8 +238,35 @@ def train_profile(settings: dict, work: Path, device: str) -> dict:
     averages = prof.key_averages()
     busy = sum(getattr(e, key) for e in averages) / 1e6 if device == "cuda" else None
     top = sorted(averages, key=lambda e: getattr(e, key), reverse=True)[:12]
-    return {"wall_s": wall, "device_busy": busy / wall if busy is not None else None,
+    return {"wall_s": wall, "device_busy": busy / wall if busy is not None else None, "syncs_per_step": syncs,
             "top": [{"op": e.key, "ms": getattr(e, key) / 1e3, "calls": e.count} for e in top]}
+
+
+@contextmanager
+def syncs_per_step(device: str):
+    """The synchronising CUDA calls of each optimizer step the training loop runs meanwhile, as torch's sync
+    debug mode reports them (a list filled as steps run; empty on a CPU, where nothing synchronises)."""
+    import flashdraft.train as training
+
+    counts: list[int] = []
+    original = training.optimizer_step
+
+    def watched(*args, **kwargs):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                return original(*args, **kwargs)
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+                counts.append(sum("synchroniz" in str(w.message) for w in caught))
+
+    if device == "cuda":
+        training.optimizer_step = watched  # the loop looks it up at each step
+    try:
+        yield counts
+    finally:
+        training.optimizer_step = original
 
 
 def main() -> None:
@@ -295,6 +327,8 @@ def main() -> None:
           f"{train['isolated_with_target_tokens_per_s']:,.0f}: CLI / isolated = {train['ratio']:.2f}")
     profile = train["profile"]
     busy = f", device busy {profile['device_busy']:.0%} of it" if profile["device_busy"] is not None else ""
+    if profile["syncs_per_step"]:
+        print(f"synchronising CUDA calls in each optimizer step (one is its read): {profile['syncs_per_step']}")
     print(f"where a 3-step CLI training run's time goes ({profile['wall_s']:.1f} s wall{busy}):")
     print("| operator | self ms | calls |")
     print("| --- | --- | --- |")

@@ -45,4 +45,5 @@ def test_gpu_eval_runs_end_to_end_in_its_tiny_cpu_form():
     assert "| gsm8k | 3 |" in proc.stdout and "| mt-bench | 6 |" in proc.stdout  # both of mt-bench's turns
     train = result["train"]
     assert train["cli_tokens_per_s"] > 0 and 0 < train["ratio"] and train["profile"]["top"]
+    assert train["profile"]["syncs_per_step"] == []  # counted on CUDA only
     assert "CLI / isolated" in proc.stdout and "| operator | self ms | calls |" in proc.stdout

@@ -30,6 +30,7 @@ from transformers.models.qwen3.modeling_qwen3 import Qwen3RotaryEmbedding
 
 from flashdraft.errors import BadInput
 from flashdraft.model.modeling_dflash import DFlashMLP as MLP  # the file shipped with exports: one MLP for both
+from flashdraft.model.transfer import to_device
 
 
 def uniform_layer_ids(num_target_layers: int, n: int) -> list[int]:
@@ -222,14 +223,14 @@ class DFlashDrafter(nn.Module):
     def head_weight(self, lm_head_weight: torch.Tensor) -> torch.Tensor:
         """The rows of the target's (frozen) LM head this drafter scores with."""
         ids = self.draft_ids()
-        return lm_head_weight if ids is None else lm_head_weight[ids.to(lm_head_weight.device)]
+        return lm_head_weight if ids is None else lm_head_weight[to_device(ids, lm_head_weight.device)]
 
     def draft_labels(self, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(target ids as draft-vocabulary ids, −1 where a token is outside it; which are inside). With the
         full vocabulary, the labels themselves."""
         if not self.draft_vocab_size:
             return labels, torch.ones_like(labels, dtype=torch.bool)
-        t2d = self.t2d.to(labels.device)
+        t2d = to_device(self.t2d, labels.device)
         inside = t2d[labels]
         return torch.where(inside, t2d.cumsum(0)[labels] - 1, -1), inside
 
@@ -239,7 +240,7 @@ class DFlashDrafter(nn.Module):
         if ids is None:
             return draft_logits
         full = draft_logits.new_full((*draft_logits.shape[:-1], vocab_size), float("-inf"))
-        full[..., ids.to(full.device)] = draft_logits
+        full[..., to_device(ids, full.device)] = draft_logits
         return full
 
     def unary_logits(self, logits: torch.Tensor) -> torch.Tensor:

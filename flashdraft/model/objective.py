@@ -15,6 +15,8 @@ import math
 
 import torch
 
+from flashdraft.model.transfer import to_device
+
 DECAY_GAMMA = {16: 7.0, 10: 5.0, 8: 4.0}  # the paper's γ for common block sizes
 
 
@@ -78,7 +80,7 @@ def flex_block_mask(anchors: torch.Tensor, block_size: int, context_len: int, de
     one sequence's (N) or a batch's (B × N, see `block_masks`)."""
     from torch.nn.attention.flex_attention import create_block_mask
 
-    rows = anchors.to(device)
+    rows = to_device(anchors, device)
     rows = rows[None] if rows.dim() == 1 else rows
     reach = window if window is not None else 1 << 30  # no window: every earlier position is in reach
     causal = window is not None  # sliding layers are causal within the block (see block_attention_mask)
@@ -108,7 +110,8 @@ def block_masks(anchors: torch.Tensor, block_size: int, context_len: int, window
     def build(w):
         if str(device).startswith("cuda"):
             return flex_block_mask(anchors, block_size, context_len, device, window=w)
-        return torch.stack([block_attention_mask(r, block_size, context_len, window=w) for r in rows]).to(device)
+        dense = torch.stack([block_attention_mask(r, block_size, context_len, window=w) for r in rows])
+        return to_device(dense, device)
 
     masks = {"full_attention": build(None)}
     if window is not None:
@@ -157,8 +160,8 @@ def position_counts(predicted_NK, labels_NK, weights_NK) -> torch.Tensor:
     position k is asked when the drafts before it were all accepted and its label is supervised, and right when
     the drafter's greedy token there is the label. `rates_from_counts` turns them into the conditional accuracy
     `expected_acceptance_length` reads. Counts, not rates, so a step reads them from the device once."""
-    weights_NK = weights_NK.to(predicted_NK.device)
-    correct = (predicted_NK == labels_NK.to(predicted_NK.device)) | (weights_NK == 0)
+    weights_NK = to_device(weights_NK, predicted_NK.device)
+    correct = (predicted_NK == to_device(labels_NK, predicted_NK.device)) | (weights_NK == 0)
     prefix = torch.cumprod(correct[:, 1:].int(), dim=1).bool()  # N × (K−1): accepted through k
     alive = torch.cat([torch.ones_like(prefix[:, :1]), prefix[:, :-1]], dim=1)  # accepted before k
     asked = alive & (weights_NK[:, 1:] > 0)

@@ -364,7 +364,8 @@ def loop(cfg: TrainConfig, s: Setup, position: dict, sinks: MetricSinks, shipper
                                               else f"its gradient norm is {grad_norm}", out))
                 step += 1
                 position = {"step": step, "epoch": epoch, "batch": b + 1}
-                last = step_metrics(step, epoch, results, loss, world, time.perf_counter() - t0, s.optimizers)
+                last = step_metrics(step, epoch, results, loss, world, time.perf_counter() - t0, s.optimizers,
+                                    s.drafter.block_size)
                 sinks.log(last)
                 shipper.raise_if_failed()  # a checkpoint that could not be pushed stops the run now, not at its end
                 update(advance=1, loss=f"{last['loss']:.3f}", tau=f"{last['simulated_acceptance_length']:.2f}",
@@ -484,7 +485,7 @@ def accumulate(cfg: TrainConfig, s: Setup, plans: list[Planned]) -> tuple[list[d
             if done:
                 weighted_ce = sum(r["weighted_ce"] for r in done)
                 weighted_ce.backward()
-                totals += torch.stack([sum(r["weight"] for r in done), weighted_ce.detach()]).to(totals)
+                totals += torch.stack([sum(r["weight"] for r in done), weighted_ce.detach()]).double()
             results.extend(done)
     if s.where.world > 1:  # on the training device: nccl sends only GPU tensors
         import torch.distributed as dist
@@ -498,9 +499,13 @@ def accumulate(cfg: TrainConfig, s: Setup, plans: list[Planned]) -> tuple[list[d
 
 
 def step_metrics(step: int, epoch: int, results: list[dict], loss: float, world: int, seconds: float,
-                 optimizers: Optimizers) -> dict:
+                 optimizers: Optimizers, block_size: int) -> dict:
+    """One step's line of metrics.jsonl. `tokens_per_s` counts the sequences' tokens (the data's pace);
+    `block_tokens_per_s` the drafter's block positions (anchors × block size), the unit its compute scales with
+    and the one an isolated step (benchmarks/gpu_check.py) is measured in."""
     rates = mean_rates([r["rates"] for r in results])
     tokens = sum(r["tokens"] for r in results)
+    block_tokens = sum(r["anchors"] for r in results) * block_size
     return {
         "step": step,
         "epoch": epoch,
@@ -508,6 +513,7 @@ def step_metrics(step: int, epoch: int, results: list[dict], loss: float, world:
         "accuracy_by_position": json_rates(rates),
         "simulated_acceptance_length": round(expected_acceptance_length(rates), 4),
         "tokens_per_s": round(tokens * world / max(seconds, 1e-9), 1),
+        "block_tokens_per_s": round(block_tokens * world / max(seconds, 1e-9), 1),
         "lr": optimizers.last_lr(),
         **selector_metrics(results),
     }

@@ -27,6 +27,7 @@ from flashdraft.model.objective import (
     sample_anchors,
 )
 from flashdraft.model.target import Target
+from flashdraft.model.transfer import to_device
 from flashdraft.train.metrics import json_rates, mean_rates, selector_metrics
 
 # Under CPU autocast (`train.bf16`) a norm gets bfloat16 input and keeps its float32 weight; torch then computes
@@ -169,25 +170,26 @@ def batch_step(model, target: Target, rows: list, cfg: TrainConfig, generators: 
         return results
     live, context_len = plan.live, plan.context_len
     blocks = plan.blocks or build_batch_blocks(plan, k, drafter.mask_token_id, cfg.loss_decay_gamma)
-    features_BCF = plan.features_BCF.to(device=device, dtype=torch.float32)
+    features_BCF = to_device(plan.features_BCF, device).float()
     embed = target.model.get_input_embeddings()
     with torch.no_grad():
-        block_embeds = embed(blocks.ids_BNK.view(len(live), -1).to(embed.weight.device)).to(device, torch.float32)
+        block_ids = to_device(blocks.ids_BNK.view(len(live), -1), embed.weight.device)
+        block_embeds = to_device(embed(block_ids), device).float()
     anchors_BN = blocks.anchors_BN
     allowed = block_masks(anchors_BN if len(live) > 1 else anchors_BN[0], k, context_len, drafter.sliding_window,
                           device)
     on_cuda = str(device).startswith("cuda")
     bf16 = on_cuda if cfg.bf16 is None else cfg.bf16
     with torch.autocast("cuda" if on_cuda else "cpu", dtype=torch.bfloat16, enabled=bf16):
-        hidden = model(block_embeds, features_BCF, blocks.positions_BNK.view(len(live), -1).to(device),
+        hidden = model(block_embeds, features_BCF, to_device(blocks.positions_BNK.view(len(live), -1), device),
                        torch.arange(context_len, device=device)[None].expand(len(live), -1), allowed)
         head = target.head_weight(drafter)
         if not bf16 and head.dtype != hidden.dtype:  # a bfloat16 target (train.target_dtype) without autocast
             head = head.to(hidden.dtype)
-        logits_BSV = drafter.unary_logits((hidden.to(head.device) @ head.T).to(device))
+        logits_BSV = drafter.unary_logits(to_device(to_device(hidden, head.device) @ head.T, device))
     for b, (i, ids_T, _, anchors) in enumerate(live):
         labels, weights = blocks.targets[b]
-        labels, weights = labels.to(device), weights.to(device)
+        labels, weights = to_device(labels, device), to_device(weights, device)
         n = len(anchors)
         logits = logits_BSV[b, : n * k]
         hard_weights = weights
@@ -257,7 +259,7 @@ def read_once(tensors: list[torch.Tensor]) -> list[list[float]]:
     if not tensors:
         return []
     device = tensors[0].device
-    flat = torch.cat([t.detach().reshape(-1).to(device, torch.float64) for t in tensors]).tolist()
+    flat = torch.cat([to_device(t.detach().reshape(-1), device).double() for t in tensors]).tolist()
     values, at = [], 0
     for t in tensors:
         values.append(flat[at : at + t.numel()])
@@ -273,8 +275,8 @@ def selector_step(drafter, unary_SV, hidden_SD, anchor_ids_N, labels_NK, weights
     inside the top-K′, of the supervised ones) and `selector` (the selector's pick right, of those inside)."""
     n, k = labels_NK.shape
     device = unary_SV.device
-    anchor = anchor_ids_N.to(device)[:, None]
-    labels_NK = labels_NK.to(device)
+    anchor = to_device(anchor_ids_N, device)[:, None]
+    labels_NK = to_device(labels_NK, device)
     previous = torch.cat([anchor, anchor, labels_NK[:, 1:-1]], dim=1).reshape(-1)  # N × K
     candidates, scores = drafter.selector_scores(unary_SV, hidden_SD, previous)
     gold = candidates == labels_NK.reshape(-1, 1)
@@ -283,7 +285,7 @@ def selector_step(drafter, unary_SV, hidden_SD, anchor_ids_N, labels_NK, weights
     weighted_ce = (ce * inside * weights_S).sum()
     with torch.no_grad():  # counts as device tensors: the step reads them with everything else (read_results)
         path = candidates.gather(-1, scores.argmax(-1, keepdim=True)).view(n, k)
-        supervised = weights_S.to(device) > 0
+        supervised = to_device(weights_S, device) > 0
         inside, right = inside & supervised, (path.view(-1) == labels_NK.reshape(-1)) & supervised
     return {"weighted_ce": weighted_ce, "path": path, "recall": torch.stack([inside.sum(), supervised.sum()]),
             "selector": torch.stack([(right & inside).sum(), inside.sum()])}
@@ -300,8 +302,8 @@ def distill_ce(drafter: DFlashDrafter, logits_SV: torch.Tensor, teacher: tuple, 
     if drafter.draft_vocab_size:
         ids, inside = drafter.draft_labels(ids)
         logprobs = logprobs.masked_fill(~inside, float("-inf"))
-    probs = torch.softmax(logprobs, dim=-1).nan_to_num(0.0).to(logits_SV.device)  # no token inside: no mass
-    student = torch.log_softmax(logits_SV.float(), dim=-1).gather(1, ids.clamp(min=0).to(logits_SV.device))
+    probs = to_device(torch.softmax(logprobs, dim=-1).nan_to_num(0.0), logits_SV.device)  # no token inside: no mass
+    student = torch.log_softmax(logits_SV.float(), dim=-1).gather(1, to_device(ids.clamp(min=0), logits_SV.device))
     return -(probs * student).sum(-1)
 
 
@@ -313,7 +315,8 @@ def _padded(features_CF: torch.Tensor, length: int) -> torch.Tensor:
 def accepted_drafts(predicted_NK, labels_NK, weights_NK) -> torch.Tensor:
     """Per block (a device tensor): how many drafts greedy verification would accept — the leading block positions
     1..K−1 whose greedy token is the label, stopping at the first wrong one or the first label not supervised."""
-    good = (predicted_NK == labels_NK.to(predicted_NK.device)) & (weights_NK.to(predicted_NK.device) > 0)
+    device = predicted_NK.device
+    good = (predicted_NK == to_device(labels_NK, device)) & (to_device(weights_NK, device) > 0)
     return good[:, 1:].int().cumprod(dim=1).sum(dim=1)
 
 

@@ -132,6 +132,8 @@ def test_metrics_go_to_jsonl_and_tensorboard_alike(tiny_target, tiny_dataset, tm
     steps = [m for m in lines if "loss" in m]
     assert [e.step for e in events.Scalars("loss")] == [m["step"] for m in steps] == [1, 2, 3, 4]
     assert [e.value for e in events.Scalars("loss")] == pytest.approx([m["loss"] for m in steps])
+    # both paces from one step time: a step's 2 sequences of 40–51 tokens, and their 2 × 8 anchors × block 8
+    assert all(2 * 8 * 8 / 102 <= m["block_tokens_per_s"] / m["tokens_per_s"] <= 2 * 8 * 8 / 80 for m in steps)
     held = [m["heldout"]["simulated_acceptance_length"] for m in lines if "heldout" in m]
     assert [e.value for e in events.Scalars("heldout_simulated_acceptance_length")] == pytest.approx(held)
 
