@@ -477,16 +477,16 @@ def accumulate(cfg: TrainConfig, s: Setup, plans: list[Planned]) -> tuple[list[d
     gradients are divided by it (times the world size, undoing DDP's mean over ranks)."""
     device = s.where.device
     results = []
-    totals = torch.zeros(2, dtype=torch.float64, device=device)
     for c, plan in enumerate(plans):
         sync = nullcontext() if c == len(plans) - 1 or not hasattr(s.model, "no_sync") else s.model.no_sync()
         with sync:
             done = [r for r in batch_step(s.model, s.target, [], cfg, [], device, planned=plan, read=False) if r]
             if done:
-                weighted_ce = sum(r["weighted_ce"] for r in done)
-                weighted_ce.backward()
-                totals += torch.stack([sum(r["weight"] for r in done), weighted_ce.detach()]).double()
+                sum(r["weighted_ce"] for r in done).backward()
             results.extend(done)
+    # In float64, one sequence after another (the order the loss and the gradients' divisor have always had).
+    zero = torch.zeros((), dtype=torch.float64, device=device)
+    totals = torch.stack([sum((r[key].detach().double() for r in results), zero) for key in ("weight", "weighted_ce")])
     if s.where.world > 1:  # on the training device: nccl sends only GPU tensors
         import torch.distributed as dist
 
