@@ -13,12 +13,15 @@ import torch
 
 
 def to_device(tensor: torch.Tensor, device) -> torch.Tensor:
-    """`tensor` on `device`, queued, not waited for: pinned first when it goes from the host to a GPU. Device
-    to device moves are queued too; never use this to read a tensor back to the host (non-blocking reads are
-    not complete when they return)."""
+    """`tensor` on `device`, queued, not waited for: pinned first when it goes from the host to a GPU; device to
+    device moves are queued too. A move back to the host is the one kind that must wait (a non-blocking one
+    returns before the bytes have arrived), so it stays a plain blocking copy: a read, which a training step
+    should not contain (tests/train/test_step_reads.py)."""
     device = torch.device(device)
     if tensor.device == device:
         return tensor
-    if device.type == "cuda" and tensor.device.type == "cpu":
+    if device.type == "cpu":
+        return tensor.to(device)
+    if tensor.device.type == "cpu" and device.type == "cuda":
         tensor = tensor.pin_memory()
     return tensor.to(device, non_blocking=True)

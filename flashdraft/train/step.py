@@ -298,12 +298,13 @@ def distill_ce(drafter: DFlashDrafter, logits_SV: torch.Tensor, teacher: tuple, 
     the token at a + j: the target's distribution for it is the one after position a + j − 1."""
     teacher_ids, teacher_logprobs = teacher
     before = (anchors_N[:, None] + torch.arange(k)[None, :] - 1).clamp(min=0).view(-1)  # S
-    ids, logprobs = teacher_ids[before], teacher_logprobs[before]  # S × topk
+    device = logits_SV.device  # the cache's rows go there first: the draft vocabulary's map lives there
+    ids, logprobs = to_device(teacher_ids[before], device), to_device(teacher_logprobs[before], device)  # S × topk
     if drafter.draft_vocab_size:
         ids, inside = drafter.draft_labels(ids)
         logprobs = logprobs.masked_fill(~inside, float("-inf"))
-    probs = to_device(torch.softmax(logprobs, dim=-1).nan_to_num(0.0), logits_SV.device)  # no token inside: no mass
-    student = torch.log_softmax(logits_SV.float(), dim=-1).gather(1, to_device(ids.clamp(min=0), logits_SV.device))
+    probs = torch.softmax(logprobs.float(), dim=-1).nan_to_num(0.0)  # no token inside: no mass
+    student = torch.log_softmax(logits_SV.float(), dim=-1).gather(1, ids.clamp(min=0))
     return -(probs * student).sum(-1)
 
 

@@ -50,7 +50,8 @@ def counted_reads(monkeypatch) -> tuple[list, list]:
     {},
     {"loss": "dpace", "labels": "target", "draft_vocab_size": 64, "micro_batch": 2},
     {"architecture": "dflash2", "optimizer": "muon"},
-], ids=["dflash", "dpace-target-labels-draft-vocab", "dflash2-muon"])
+    {"features": "offline", "distill_topk": 4, "distill_weight": 0.5, "draft_vocab_size": 64},
+], ids=["dflash", "dpace-target-labels-draft-vocab", "dflash2-muon", "offline-distill-draft-vocab"])
 def test_an_optimizer_step_reads_from_the_device_once(tiny_target, tiny_dataset, tmp_path, monkeypatch, settings):
     cfg = tiny_cfg(tiny_target, batch_size=4, **settings)
     s = setup(cfg, tiny_dataset, tmp_path, tiny_target, place(cfg), None, quiet)
