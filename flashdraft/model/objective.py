@@ -82,16 +82,18 @@ def flex_block_mask(anchors: torch.Tensor, block_size: int, context_len: int, de
 
     rows = to_device(anchors, device)
     rows = rows[None] if rows.dim() == 1 else rows
-    reach = window if window is not None else 1 << 30  # no window: every earlier position is in reach
-    causal = window is not None  # sliding layers are causal within the block (see block_attention_mask)
 
+    # As few operations as the rule needs: create_block_mask evaluates this at every (query, key) pair, and the
+    # kernel again inside every partly visible tile. An anchor is at most `context_len` (the context ends at the
+    # last anchor), so a key before its anchor is a context key; a context key's block index, (kv − C) // K, is
+    # negative, so it never equals a block's own.
     def allowed(b, h, q, kv):
         block = q // block_size
         anchor = rows[b, block]
-        position = anchor + q % block_size
-        sees_context = (kv < context_len) & (kv < anchor) & (position - kv < reach)
-        sees_block = (kv >= context_len) & ((kv - context_len) // block_size == block)
-        if causal:
+        sees_context = kv < anchor
+        sees_block = (kv - context_len) // block_size == block
+        if window is not None:  # a sliding layer: the last `window` positions, causal within the block
+            sees_context &= anchor + q % block_size - kv < window
             sees_block &= (kv - context_len) % block_size <= q % block_size
         return sees_context | sees_block
 

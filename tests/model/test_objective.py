@@ -75,6 +75,31 @@ def test_flex_attention_block_mask_matches_the_dense_mask(tiny_target):
     assert not torch.allclose(dense, dense_window, atol=1e-3)  # the window does restrict what is seen
 
 
+@pytest.mark.parametrize("window", [None, 10])
+def test_the_flex_mask_rule_is_the_dense_one_at_every_query_and_key_of_a_padded_batch(window):
+    """Element for element, what FlexAttention's mask function allows is the dense mask of each sequence — a batch
+    whose second row is padded with anchor-0 blocks (they see only themselves) included."""
+    from torch.nn.attention.flex_attention import create_mask
+
+    from flashdraft.model.objective import flex_block_mask
+
+    k, context = 8, 31
+    anchors = torch.tensor([[3, 9, 17, 30], [5, 12, 0, 0]])
+    mask = flex_block_mask(anchors, k, context, "cpu", window=window)
+    allowed = create_mask(mask.mask_mod, 2, None, 4 * k, context + 4 * k, "cpu")[:, 0]
+    assert torch.equal(allowed[0], block_attention_mask(anchors[0], k, context, window=window))
+    padded = block_attention_mask(torch.tensor([5, 12]), k, context, window=window)  # its two real blocks
+    assert torch.equal(allowed[1, : 2 * k, :context], padded[:, :context])
+    assert torch.equal(allowed[1, : 2 * k, context : context + 2 * k], padded[:, context:])
+    assert not allowed[1, : 2 * k, context + 2 * k :].any()  # real blocks never see padding blocks
+    for n in (2, 3):  # a padding block: no context, only its own positions
+        rows = allowed[1, n * k : (n + 1) * k]
+        assert not rows[:, :context].any()
+        own = rows[:, context + n * k : context + (n + 1) * k]
+        everything = torch.ones(k, k, dtype=torch.bool)
+        assert torch.equal(own, everything if window is None else everything.tril())
+
+
 def test_a_sliding_window_block_sees_only_recent_context_and_its_own_block_causally():
     anchors, k, context, window = torch.tensor([5, 20, 33]), 4, 34, 8
     allowed = block_attention_mask(anchors, k, context, window=window)
