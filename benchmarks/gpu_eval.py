@@ -238,7 +238,14 @@ def train_profile(settings: dict, work: Path, device: str) -> dict:
     averages = prof.key_averages()
     busy = sum(getattr(e, key) for e in averages) / 1e6 if device == "cuda" else None
     top = sorted(averages, key=lambda e: getattr(e, key), reverse=True)[:12]
+    # The loop's own phases (record_function ranges in flashdraft.train): host time, and on a GPU the time of the
+    # kernels each launched. `mask`, `forward` and `loss` also run inside `heldout`'s passes.
+    device_key = "device_time_total" if device == "cuda" else None
+    phases = [{"phase": e.key.removeprefix("flashdraft."), "calls": e.count, "host_ms": e.cpu_time_total / 1e3,
+               "device_ms": getattr(e, device_key) / 1e3 if device_key else None}
+              for e in averages if e.key.startswith("flashdraft.")]
     return {"wall_s": wall, "device_busy": busy / wall if busy is not None else None, "syncs_per_step": syncs,
+            "phases": sorted(phases, key=lambda p: -p["host_ms"]),
             "top": [{"op": e.key, "ms": getattr(e, key) / 1e3, "calls": e.count} for e in top]}
 
 
@@ -329,6 +336,12 @@ def main() -> None:
     busy = f", device busy {profile['device_busy']:.0%} of it" if profile["device_busy"] is not None else ""
     if profile["syncs_per_step"]:
         print(f"synchronising CUDA calls in each optimizer step (one is its read): {profile['syncs_per_step']}")
+    print("the training loop's phases over those 3 steps (mask, forward and loss include held-out passes):")
+    print("| phase | calls | host ms | device ms |")
+    print("| --- | --- | --- | --- |")
+    for p in profile["phases"]:
+        device_ms = f"{p['device_ms']:.1f}" if p["device_ms"] is not None else "–"
+        print(f"| {p['phase']} | {p['calls']} | {p['host_ms']:.1f} | {device_ms} |")
     print(f"where a 3-step CLI training run's time goes ({profile['wall_s']:.1f} s wall{busy}):")
     print("| operator | self ms | calls |")
     print("| --- | --- | --- |")

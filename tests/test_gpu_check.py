@@ -46,4 +46,7 @@ def test_gpu_eval_runs_end_to_end_in_its_tiny_cpu_form():
     train = result["train"]
     assert train["cli_tokens_per_s"] > 0 and 0 < train["ratio"] and train["profile"]["top"]
     assert train["profile"]["syncs_per_step"] == []  # counted on CUDA only
+    phases = {p["phase"]: p["calls"] for p in train["profile"]["phases"]}
+    assert {"plan": 3, "backward": 3, "optimizer": 3, "read": 3, "bookkeeping": 3}.items() <= phases.items()
+    assert phases["forward"] >= 3 and phases["mask"] >= 3 and phases["heldout"] >= 1
     assert "CLI / isolated" in proc.stdout and "| operator | self ms | calls |" in proc.stdout

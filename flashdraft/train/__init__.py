@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch.profiler import record_function
 
 from flashdraft.artifact.manifest import (
     MANIFEST,
@@ -178,11 +179,14 @@ def _run(cfg: TrainConfig, data: Path, out: Path, require_checkpoint: bool, cons
     started = time.perf_counter()
     shipper = CheckpointShipper(out, cfg, say, lineage)
     sinks = MetricSinks(out, where.rank == 0, cfg.model_dump())
-    position, last = loop(cfg, s, position, sinks, shipper, lineage, out, console)
+    position, last, held_at = loop(cfg, s, position, sinks, shipper, lineage, out, console)
     sinks.close()
     if not all_finite(s.drafter, where.world):  # the last steps' update, if no checkpoint followed it
         raise Diverged(divergence(cfg, position["step"], "its update left weights that are not finite", out))
-    held = evaluate_heldout(s.model, s.target, s.dataset, s.heldout_ids, cfg, where.device, s.cache)
+    # The last step is always a checkpoint, evaluated there: the same weights need no second pass over the
+    # held-out samples (only a run resumed at its end, which trained nothing here, evaluates now).
+    held = held_at[1] if held_at and held_at[0] == position["step"] else evaluate_heldout(
+        s.model, s.target, s.dataset, s.heldout_ids, cfg, where.device, s.cache)
     final = whole_drafter(s)  # every rank: under FSDP the weights are gathered from the shards
     if where.rank != 0:
         shipper.wait()
@@ -326,8 +330,9 @@ def import_drafter(cfg: TrainConfig, target_config, say) -> DFlashDrafter:
 
 
 def loop(cfg: TrainConfig, s: Setup, position: dict, sinks: MetricSinks, shipper: CheckpointShipper,
-         lineage: Lineage, out: Path, console) -> tuple[dict, dict]:
-    """Optimizer steps from `position` to `s.total_steps`; returns the final position and the last metrics."""
+         lineage: Lineage, out: Path, console) -> tuple[dict, dict, tuple | None]:
+    """Optimizer steps from `position` to `s.total_steps`; returns the final position, the last metrics and the
+    last held-out evaluation with its step (None if no step ran)."""
     rank, world, device = s.where.rank, s.where.world, s.where.device
     per_rank = len(s.train_ids) // world
     step, last = position["step"], {}
@@ -338,6 +343,7 @@ def loop(cfg: TrainConfig, s: Setup, position: dict, sinks: MetricSinks, shipper
         s.cache is None and s.where.target_device != s.where.device)
     prefetcher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="prefetch") if overlap else None
     pending = None  # (epoch, batch index, future of its plans)
+    held_at = None  # (step, the held-out evaluation there)
     text = "train loss {task.fields[loss]} τ≈{task.fields[tau]} {task.fields[tps]} tok/s"
     with progress(console if rank == 0 else None, text, total=s.total_steps, completed=step, loss="–", tau="–",
                   tps="–") as update:
@@ -350,10 +356,11 @@ def loop(cfg: TrainConfig, s: Setup, position: dict, sinks: MetricSinks, shipper
                     break
                 t0 = time.perf_counter()
                 batch = mine[b * cfg.batch_size : (b + 1) * cfg.batch_size]
-                if pending is not None and pending[:2] == (epoch, b):
-                    plans = pending[2].result()
-                else:
-                    plans = prepare(cfg, s, batch, epoch)
+                with record_function("flashdraft.plan"):  # the phases a profile shows (benchmarks/gpu_eval.py)
+                    if pending is not None and pending[:2] == (epoch, b):
+                        plans = pending[2].result()
+                    else:
+                        plans = prepare(cfg, s, batch, epoch)
                 pending = None
                 if prefetcher is not None and b + 1 < s.steps_per_epoch and step + 1 < s.total_steps:
                     upcoming = mine[(b + 1) * cfg.batch_size : (b + 2) * cfg.batch_size]
@@ -364,12 +371,13 @@ def loop(cfg: TrainConfig, s: Setup, position: dict, sinks: MetricSinks, shipper
                                               else f"its gradient norm is {grad_norm}", out))
                 step += 1
                 position = {"step": step, "epoch": epoch, "batch": b + 1}
-                last = step_metrics(step, epoch, results, loss, world, time.perf_counter() - t0, s.optimizers,
-                                    s.drafter.block_size)
-                sinks.log(last)
-                shipper.raise_if_failed()  # a checkpoint that could not be pushed stops the run now, not at its end
-                update(advance=1, loss=f"{last['loss']:.3f}", tau=f"{last['simulated_acceptance_length']:.2f}",
-                       tps=f"{last['tokens_per_s']:,.0f}")
+                with record_function("flashdraft.bookkeeping"):
+                    last = step_metrics(step, epoch, results, loss, world, time.perf_counter() - t0, s.optimizers,
+                                        s.drafter.block_size)
+                    sinks.log(last)
+                    shipper.raise_if_failed()  # a checkpoint that could not be pushed stops the run now
+                    update(advance=1, loss=f"{last['loss']:.3f}", tau=f"{last['simulated_acceptance_length']:.2f}",
+                           tps=f"{last['tokens_per_s']:,.0f}")
                 if step % cfg.checkpoint_every == 0 or b + 1 == s.steps_per_epoch or step == s.total_steps:
                     if b + 1 == s.steps_per_epoch:
                         position = {"step": step, "epoch": epoch + 1, "batch": 0}
@@ -377,6 +385,7 @@ def loop(cfg: TrainConfig, s: Setup, position: dict, sinks: MetricSinks, shipper
                     if pending is not None:
                         pending[2].result()  # the target is free again before held-out evaluation uses it
                     held = evaluate_heldout(s.model, s.target, s.dataset, s.heldout_ids, cfg, device, s.cache)
+                    held_at = (step, held)
                     sinks.log({"step": step, "heldout": held})
                     if not all_finite(s.drafter, world):  # never a checkpoint to resume into NaN from
                         raise Diverged(divergence(cfg, step, "its update left weights that are not finite", out))
@@ -389,7 +398,7 @@ def loop(cfg: TrainConfig, s: Setup, position: dict, sinks: MetricSinks, shipper
                 position = {"step": step, "epoch": epoch + 1, "batch": 0}
     if prefetcher is not None:
         prefetcher.shutdown(wait=True)
-    return position, last
+    return position, last, held_at
 
 
 class Diverged(ExpectedFailure):
@@ -459,13 +468,15 @@ def optimizer_step(cfg: TrainConfig, s: Setup, plans: list[Planned]) -> tuple[li
     whole step before it waits. So a step that is not finite is found after its update; the run stops right
     there (Diverged) and nothing from that update is saved."""
     pending, totals = accumulate(cfg, s, plans)
-    grad_norm = torch.nn.utils.clip_grad_norm_(s.drafter.parameters(), cfg.grad_clip)
-    s.optimizers.step()
-    s.optimizers.zero_grad()
+    with record_function("flashdraft.optimizer"):
+        grad_norm = torch.nn.utils.clip_grad_norm_(s.drafter.parameters(), cfg.grad_clip)
+        s.optimizers.step()
+        s.optimizers.zero_grad()
     loss = totals[1] / totals[0].clamp(min=1e-8)
     if hasattr(grad_norm, "full_tensor"):  # under FSDP the norm is a DTensor (already summed over the shards)
         grad_norm = grad_norm.full_tensor()
-    results, (loss_value, norm_value) = read_results(pending, also=(loss, grad_norm))
+    with record_function("flashdraft.read"):
+        results, (loss_value, norm_value) = read_results(pending, also=(loss, grad_norm))
     return [r for r in results if r], loss_value[0], norm_value[0]
 
 
@@ -482,7 +493,8 @@ def accumulate(cfg: TrainConfig, s: Setup, plans: list[Planned]) -> tuple[list[d
         with sync:
             done = [r for r in batch_step(s.model, s.target, [], cfg, [], device, planned=plan, read=False) if r]
             if done:
-                sum(r["weighted_ce"] for r in done).backward()
+                with record_function("flashdraft.backward"):
+                    sum(r["weighted_ce"] for r in done).backward()
             results.extend(done)
     # In float64, one sequence after another (the order the loss and the gradients' divisor have always had).
     zero = torch.zeros((), dtype=torch.float64, device=device)

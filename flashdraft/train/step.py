@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch.profiler import record_function
 
 from flashdraft.config import TrainConfig
 from flashdraft.model.dflash2 import is_dflash2
@@ -176,52 +177,63 @@ def batch_step(model, target: Target, rows: list, cfg: TrainConfig, generators: 
         block_ids = to_device(blocks.ids_BNK.view(len(live), -1), embed.weight.device)
         block_embeds = to_device(embed(block_ids), device).float()
     anchors_BN = blocks.anchors_BN
-    allowed = block_masks(anchors_BN if len(live) > 1 else anchors_BN[0], k, context_len, drafter.sliding_window,
-                          device)
+    with record_function("flashdraft.mask"):
+        allowed = block_masks(anchors_BN if len(live) > 1 else anchors_BN[0], k, context_len,
+                              drafter.sliding_window, device)
     on_cuda = str(device).startswith("cuda")
     bf16 = on_cuda if cfg.bf16 is None else cfg.bf16
-    with torch.autocast("cuda" if on_cuda else "cpu", dtype=torch.bfloat16, enabled=bf16):
+    with torch.autocast("cuda" if on_cuda else "cpu", dtype=torch.bfloat16, enabled=bf16), \
+            record_function("flashdraft.forward"):
         hidden = model(block_embeds, features_BCF, to_device(blocks.positions_BNK.view(len(live), -1), device),
                        torch.arange(context_len, device=device)[None].expand(len(live), -1), allowed)
         head = target.head_weight(drafter)
         if not bf16 and head.dtype != hidden.dtype:  # a bfloat16 target (train.target_dtype) without autocast
             head = head.to(hidden.dtype)
         logits_BSV = drafter.unary_logits(to_device(to_device(hidden, head.device) @ head.T, device))
-    for b, (i, ids_T, _, anchors) in enumerate(live):
-        labels, weights = blocks.targets[b]
-        labels, weights = to_device(labels, device), to_device(weights, device)
-        n = len(anchors)
-        logits = logits_BSV[b, : n * k]
-        hard_weights = weights
-        if drafter.draft_vocab_size:  # labels into the draft vocabulary; a token outside it cannot be proposed
-            labels, inside = drafter.draft_labels(labels)
-            hard_weights = weights * inside
-        ce = torch.nn.functional.cross_entropy(logits.float(), labels.view(-1).clamp(min=0), reduction="none")
-        if cfg.loss == "dpace":  # the weights follow the draft's own (detached) confidence in each label
-            weights = hard_weights = dpace_weights(ce.view(n, k), hard_weights > 0, cfg.dpace_alpha).to(weights.dtype)
-        weights_S, hard_S = weights.reshape(-1), hard_weights.reshape(-1)
-        weighted_ce = (ce * hard_S).sum()
-        if plan.teachers is not None and cfg.distill_weight > 0:
-            soft_ce = distill_ce(drafter, logits, plan.teachers[b], anchors, k)
-            weighted_ce = (1 - cfg.distill_weight) * weighted_ce + cfg.distill_weight * (soft_ce * weights_S).sum()
-        with torch.no_grad():
-            predicted = logits.view(n, k, -1).argmax(-1)  # the drafter's greedy tokens
-        weight = weights_S.sum()
-        extra = {}
-        if is_dflash2(drafter):  # the selector's loss; its path is what decoding proposes
-            selector = selector_step(drafter, logits, hidden[b, : n * k], blocks.ids_BNK[b, :n, 0], labels, hard_S)
-            weighted_ce = weighted_ce + cfg.selector_loss_weight * selector.pop("weighted_ce")
-            extra = {"recall": selector["recall"], "selector": selector["selector"],
-                     "unary_counts": position_counts(predicted, labels, weights)}
-            predicted = selector["path"]
-        with torch.no_grad():
-            counts = position_counts(predicted, labels, weights)
-            accepted = accepted_drafts(predicted, labels, weights)
-        # `weighted_ce` and `weight` are summed over the whole optimizer step before dividing (train.accumulate);
-        # `loss` is this sequence's own ratio, for tests and benchmarks that step one sequence.
-        results[i] = {"loss": weighted_ce / weight.clamp(min=1e-8), "weighted_ce": weighted_ce, "weight": weight,
-                      "counts": counts, "accepted": accepted, "tokens": int(ids_T.shape[0]), "anchors": n, **extra}
+    with record_function("flashdraft.loss"):
+        for b, (i, *_) in enumerate(live):
+            results[i] = sequence_result(drafter, cfg, plan, blocks, b, logits_BSV, hidden, device)
     return read_results(results)[0] if read else results
+
+
+def sequence_result(drafter: DFlashDrafter, cfg: TrainConfig, plan: Planned, blocks: Blocks, b: int,
+                    logits_BSV: torch.Tensor, hidden: torch.Tensor, device) -> dict:
+    """Live sequence `b` of a micro-batch: its loss (with grad) and its stats, device tensors not yet read."""
+    _, ids_T, _, anchors = plan.live[b]
+    k = drafter.block_size
+    labels, weights = blocks.targets[b]
+    labels, weights = to_device(labels, device), to_device(weights, device)
+    n = len(anchors)
+    logits = logits_BSV[b, : n * k]
+    hard_weights = weights
+    if drafter.draft_vocab_size:  # labels into the draft vocabulary; a token outside it cannot be proposed
+        labels, inside = drafter.draft_labels(labels)
+        hard_weights = weights * inside
+    ce = torch.nn.functional.cross_entropy(logits.float(), labels.view(-1).clamp(min=0), reduction="none")
+    if cfg.loss == "dpace":  # the weights follow the draft's own (detached) confidence in each label
+        weights = hard_weights = dpace_weights(ce.view(n, k), hard_weights > 0, cfg.dpace_alpha).to(weights.dtype)
+    weights_S, hard_S = weights.reshape(-1), hard_weights.reshape(-1)
+    weighted_ce = (ce * hard_S).sum()
+    if plan.teachers is not None and cfg.distill_weight > 0:
+        soft_ce = distill_ce(drafter, logits, plan.teachers[b], anchors, k)
+        weighted_ce = (1 - cfg.distill_weight) * weighted_ce + cfg.distill_weight * (soft_ce * weights_S).sum()
+    with torch.no_grad():
+        predicted = logits.view(n, k, -1).argmax(-1)  # the drafter's greedy tokens
+    weight = weights_S.sum()
+    extra = {}
+    if is_dflash2(drafter):  # the selector's loss; its path is what decoding proposes
+        selector = selector_step(drafter, logits, hidden[b, : n * k], blocks.ids_BNK[b, :n, 0], labels, hard_S)
+        weighted_ce = weighted_ce + cfg.selector_loss_weight * selector.pop("weighted_ce")
+        extra = {"recall": selector["recall"], "selector": selector["selector"],
+                 "unary_counts": position_counts(predicted, labels, weights)}
+        predicted = selector["path"]
+    with torch.no_grad():
+        counts = position_counts(predicted, labels, weights)
+        accepted = accepted_drafts(predicted, labels, weights)
+    # `weighted_ce` and `weight` are summed over the whole optimizer step before dividing (train.accumulate);
+    # `loss` is this sequence's own ratio, for tests and benchmarks that step one sequence.
+    return {"loss": weighted_ce / weight.clamp(min=1e-8), "weighted_ce": weighted_ce, "weight": weight,
+            "counts": counts, "accepted": accepted, "tokens": int(ids_T.shape[0]), "anchors": n, **extra}
 
 
 def _halves(v: list) -> list[float]:
@@ -380,6 +392,7 @@ def serving_walk(model, target: Target, ids_T, mask_T, cfg: TrainConfig, device,
 
 
 @torch.no_grad()
+@record_function("flashdraft.heldout")  # its passes are batch_step's too: a profile tells them apart by this
 def evaluate_heldout(model, target: Target, dataset, indices, cfg: TrainConfig, device, cache=None) -> dict[str, Any]:
     """On held-out samples: per-position accuracy and the simulated τ they imply at fixed random anchors (the
     per-anchor view training has always reported), and the serving-walk τ (`serving_walk`), which is what

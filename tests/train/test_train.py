@@ -138,6 +138,21 @@ def test_metrics_go_to_jsonl_and_tensorboard_alike(tiny_target, tiny_dataset, tm
     assert [e.value for e in events.Scalars("heldout_simulated_acceptance_length")] == pytest.approx(held)
 
 
+def test_the_last_checkpoints_held_out_evaluation_is_the_drafters_with_no_second_pass(tiny_target, tiny_dataset,
+                                                                                         tmp_path, monkeypatch):
+    import flashdraft.train as training
+
+    calls = []
+    original = training.evaluate_heldout
+    monkeypatch.setattr(training, "evaluate_heldout", lambda *a, **k: calls.append(1) or original(*a, **k))
+    out = tmp_path / "out"
+    stats = run(tiny_cfg(tiny_target, max_steps=4, checkpoint_every=2), tiny_dataset, out, log=quiet)
+    assert len(calls) == 2  # at steps 2 and 4, and not again for the export
+    held = [json.loads(line)["heldout"] for line in (out / "metrics.jsonl").open() if "heldout" in line]
+    assert stats["heldout"] == held[-1] == read_manifest(out / "drafter").stats["heldout"]
+    assert held[-1]["serving_blocks"] > 0
+
+
 def test_checkpoints_are_pushed_verified_and_old_ones_pruned(tiny_target, tiny_dataset, tmp_path, s3env):
     import uuid
 
