@@ -78,7 +78,15 @@ from flashdraft.train.data import (
     run_split,
     token_counts,
 )
-from flashdraft.train.distributed import Placement, barrier, checked_once_a_node, collective_device, place, wrap
+from flashdraft.train.distributed import (
+    Placement,
+    barrier,
+    checked_once_a_node,
+    collective_device,
+    leave,
+    place,
+    wrap,
+)
 from flashdraft.train.metrics import MetricSinks, json_rates, mean_rates, selector_metrics, truncate_metrics
 from flashdraft.train.optim import Optimizers, build_optimizers
 from flashdraft.train.step import Planned, batch_step, evaluate_heldout, plan_batch, read_results
@@ -133,6 +141,7 @@ def _run(cfg: TrainConfig, data: Path, out: Path, require_checkpoint: bool, cons
             shipper = CheckpointShipper(out, cfg, say, lineage)
             shipper.drafter(drafter_dir)
             shipper.wait()
+        leave(where.world)
         return read_manifest(drafter_dir).stats
     if cfg.push_to and where.rank == 0 and (theirs := store_other_work(cfg.push_to, lineage)):
         raise BadTrainingInput(f"{theirs} was trained from other data or settings; pushing this run there would "
@@ -191,6 +200,7 @@ def _run(cfg: TrainConfig, data: Path, out: Path, require_checkpoint: bool, cons
     if where.rank != 0:
         shipper.wait()
         barrier(where.world)
+        leave(where.world)
         return {}
     stats = {
         "steps": position["step"],
@@ -209,6 +219,7 @@ def _run(cfg: TrainConfig, data: Path, out: Path, require_checkpoint: bool, cons
         + (f"serving-walk τ {walked:.2f} (what eval measures; per-anchor simulated τ {tau:.2f})"
            if walked is not None and tau is not None else "τ – (no held-out sample)"))
     barrier(where.world)
+    leave(where.world)
     return stats
 
 

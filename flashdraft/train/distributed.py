@@ -72,6 +72,13 @@ def barrier(world: int) -> None:
         torch.distributed.barrier()
 
 
+def leave(world: int) -> None:
+    """After a run's last collective: close the process group, so no process exits with its connections open
+    (a gloo process whose peer has already gone can abort in the group's own threads; torch asks for this too)."""
+    if world > 1 and torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+
+
 def collective_device() -> torch.device:
     # nccl sends only GPU tensors; one GPU per local rank keeps two ranks of a node off the same device
     if torch.distributed.get_backend() == "nccl":
