@@ -173,9 +173,3 @@ def position_counts(predicted_NK, labels_NK, weights_NK) -> torch.Tensor:
 def rates_from_counts(right: list, asked: list) -> list[float]:
     """Per block position, right / asked; NaN where no block was asked (no sample reached that position)."""
     return [r / a if a else math.nan for r, a in zip(right, asked, strict=True)]
-
-
-def per_position_accuracy(predicted_NK, labels_NK, weights_NK) -> list[float]:
-    """Conditional accuracy at block positions 1..K−1 of the drafter's greedy tokens `predicted_NK`: correct at k
-    given correct at all 1..k−1 (greedy acceptance), over supervised labels. Feeds `expected_acceptance_length`."""
-    return rates_from_counts(*position_counts(predicted_NK, labels_NK, weights_NK).tolist())

@@ -427,8 +427,8 @@ def divergence(cfg: TrainConfig, step: int, what: str, out: Path) -> str:
 
 def all_finite(drafter: torch.nn.Module, world: int) -> bool:
     """Whether every rank's weights (its shards, under FSDP) are finite: one answer, the same on every rank."""
-    finite = torch.tensor([0.0 if nonfinite_weights(drafter) else 1.0], device=collective_device() if world > 1
-                          else "cpu")
+    device = collective_device() if world > 1 else "cpu"
+    finite = torch.tensor([0.0 if nonfinite_weights(drafter) else 1.0], device=device)
     if world > 1:
         import torch.distributed as dist
 

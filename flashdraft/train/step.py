@@ -259,7 +259,7 @@ def read_results(results: list[dict | None], also: tuple = ()) -> tuple[list[dic
     keyed = [(i, key) for i, r in enumerate(results) if r for key in READ_AS if key in r]
     values = read_once([results[i][key] for i, key in keyed] + list(also))
     read = [dict(r) if r else r for r in results]
-    for (i, key), v in zip(keyed, values, strict=False):
+    for (i, key), v in zip(keyed, values[: len(keyed)], strict=True):
         name, convert = READ_AS[key]
         del read[i][key]
         read[i][name] = convert(v)
