@@ -21,6 +21,7 @@ from pathlib import Path
 
 from rich.console import Console
 
+from flashdraft import progress
 from flashdraft.artifact.manifest import read_manifest
 from flashdraft.config import PipelineConfig, load_config
 from flashdraft.layout import stage_dir
@@ -157,9 +158,9 @@ def heartbeat(console: Console, stages: list[tuple[str, str, float]], every_s: f
     def beat() -> None:
         while not stop.wait(every_s):
             i = names.index(state["stage"])
-            left = max(0.0, stages[i][2] - (time.monotonic() - state["since"])) + sum(s for _, _, s in stages[i + 1:])
             console.print(f"demo: {_minutes(time.monotonic() - started)} elapsed, now {state['stage']} "
-                          f"({i + 1}/{len(names)}), ETA ≈ {_minutes(left)}", highlight=False)
+                          f"({i + 1}/{len(names)}), {eta_text(stages, i, time.monotonic() - state['since'])}",
+                          highlight=False)
 
     thread = threading.Thread(target=beat, daemon=True, name="demo-heartbeat")
     thread.start()
@@ -168,6 +169,23 @@ def heartbeat(console: Console, stages: list[tuple[str, str, float]], every_s: f
     finally:
         stop.set()
         thread.join()
+
+
+def eta_text(stages: list[tuple[str, str, float]], i: int, in_stage_s: float) -> str:
+    """The whole run's ETA as the heartbeat says it: the current stage's time left at its own pace (its progress
+    display's done/total so far) plus the plan for the stages after it; before the stage has a pace, or once it
+    has run past its plan, the plan alone, and the line says which."""
+    later = sum(seconds for _, _, seconds in stages[i + 1:])
+    shown = progress.current  # read once: the stage's thread may close its display meanwhile
+    pace = shown.seconds_left() if shown is not None else None
+    if pace is not None:
+        how = "this stage at its own pace" + (f" + the plan for {len(stages) - i - 1} more" if later else "")
+        return f"ETA ≈ {_minutes(pace + later)} ({how})"
+    planned = stages[i][2] - in_stage_s
+    if planned <= 0:
+        return (f"this stage has run {_minutes(-planned)} past its plan and has no pace yet; the plan for the "
+                f"rest: {_minutes(later)}")
+    return f"ETA ≈ {_minutes(planned + later)} (the plan's estimate: this stage has no pace yet)"
 
 
 def _minutes(seconds: float) -> str:

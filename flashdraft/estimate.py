@@ -10,7 +10,6 @@ their bound (`max_new_tokens`): disk is planned for the worst case, and reasonin
 
 from __future__ import annotations
 
-import functools
 import json
 import math
 from dataclasses import dataclass
@@ -81,9 +80,9 @@ def target_shape(ref: str, config_file: Path | None = None) -> TargetShape:
             raise EstimateError(f"--target-config {config_file} is not a model's config.json: {e}") from None
     from transformers import AutoConfig
 
-    path = _local_ref(ref)
+    path, extra = _local_ref(ref)
     try:
-        return TargetShape.from_config(AutoConfig.from_pretrained(path, local_files_only=True), path)
+        return TargetShape.from_config(AutoConfig.from_pretrained(path, local_files_only=True, **extra), path)
     except (OSError, ValueError) as e:
         raise EstimateError(
             f"the target's config ({ref}) is not on this machine ({type(e).__name__}); pass "
@@ -91,13 +90,19 @@ def target_shape(ref: str, config_file: Path | None = None) -> TargetShape:
         ) from None
 
 
-@functools.cache  # the embedded target is verified (re-hashed) on resolve: once per estimate, not per question
-def _local_ref(ref: str) -> str:
+def _local_ref(ref: str) -> tuple[str, dict[str, str]]:
+    """Where to read a model's config and tokenizer, as (path, extra from_pretrained arguments), without writing
+    anything: the embedded target's converted copy when it is there, else its GGUF file itself (an estimate, and a
+    dry run's disk check, never convert it: that writes half a gigabyte into the cache)."""
     if ref == EMBEDDED_TARGET:
-        from flashdraft.model.resolve import resolve_model
+        from flashdraft.artifact.manifest import MANIFEST
+        from flashdraft.model.resolve import embedded_dir, embedded_gguf
 
-        return resolve_model(ref, log=lambda s: None)
-    return ref
+        if (embedded_dir() / MANIFEST).is_file():
+            return str(embedded_dir()), {}
+        gguf = embedded_gguf()
+        return str(gguf.parent), {"gguf_file": gguf.name}
+    return ref, {}
 
 
 def prompt_lengths(source: str, tokenizer_ref: str, sample: int = 2000) -> tuple[int, float, str]:
@@ -121,7 +126,8 @@ def prompt_lengths(source: str, tokenizer_ref: str, sample: int = 2000) -> tuple
     try:
         from transformers import AutoTokenizer
 
-        tok = AutoTokenizer.from_pretrained(_local_ref(tokenizer_ref), local_files_only=True)
+        path, extra = _local_ref(tokenizer_ref)
+        tok = AutoTokenizer.from_pretrained(path, local_files_only=True, **extra)
         # Rendered as generation will send them: chat template, default system prompt, generation prompt.
         texts = [tok.apply_chat_template(p.messages, add_generation_prompt=True, tokenize=False) for p in picked]
         tokens = sum(len(ids) for ids in tok(texts, add_special_tokens=False)["input_ids"])

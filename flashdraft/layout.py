@@ -16,6 +16,7 @@ and the drafter in the same place, and a fresh machine finds what another one pu
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 STAGES = ("generate", "tokenize", "train", "eval")
@@ -59,3 +60,9 @@ def train_url(store: str) -> str:
 
 def join(location: str, relative: str) -> str:
     return f"{location.rstrip('/')}/{relative}"
+
+
+def cache_dir() -> Path:
+    """This machine's flashdraft cache (converted models, push memos): $FLASHDRAFT_CACHE or ~/.cache/flashdraft.
+    Nothing in it is an artifact's content; each entry can be rebuilt."""
+    return Path(os.environ.get("FLASHDRAFT_CACHE", Path.home() / ".cache" / "flashdraft"))

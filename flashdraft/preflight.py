@@ -139,24 +139,18 @@ def check_endpoint(base_url: str, model: str | None) -> Check:
 
 
 def _endpoint(base_url: str, model: str | None) -> str:
-    import json
-    import urllib.error
-    import urllib.request
+    from flashdraft.bounded import HTTPStatus, get_json
 
-    request = urllib.request.Request(f"{base_url.rstrip('/')}/models")
-    if key := os.environ.get("OPENAI_API_KEY"):
-        request.add_header("Authorization", f"Bearer {key}")
     try:
-        with urllib.request.urlopen(request, timeout=ENDPOINT_TIMEOUT_S) as response:
-            served = [m.get("id") for m in json.loads(response.read()).get("data", []) if isinstance(m, dict)]
-    except urllib.error.HTTPError as e:
+        answer = get_json(f"{base_url.rstrip('/')}/models", bearer=os.environ.get("OPENAI_API_KEY"),
+                          deadline_s=ENDPOINT_TIMEOUT_S)
+    except HTTPStatus as e:
         raise ValueError(f"GET /models answered HTTP {e.code}" + (" (the API key is refused)" if e.code in (401, 403)
                                                                   else "")) from None
-    except (urllib.error.URLError, TimeoutError, OSError) as e:
-        reason = getattr(e, "reason", e)
-        raise ValueError(f"does not answer within {ENDPOINT_TIMEOUT_S:.0f} s ({reason})") from None
-    except (ValueError, AttributeError):
-        raise ValueError("GET /models did not answer as an OpenAI-compatible server does") from None
+    data = answer.get("data") if isinstance(answer, dict) else None
+    if not isinstance(data, list):
+        raise ValueError("GET /models did not answer as an OpenAI-compatible server does")
+    served = [m.get("id") for m in data if isinstance(m, dict)]
     if model is not None and model not in served:
         raise ValueError(f"does not serve {model!r}; it serves {', '.join(map(repr, served[:5])) or 'nothing'}")
     return f"serves {model!r}" if model else f"serves {', '.join(map(repr, served[:3]))}"
@@ -235,13 +229,15 @@ def _prompts(source: str) -> str:
     path = Path(source)
     if path.is_dir():
         return "a save_to_disk directory"
-    if not path.is_file() or not os.access(path, os.R_OK):
+    if not path.exists() or not os.access(path, os.R_OK):
         raise ValueError("no readable file there")
-    if path.suffix == ".parquet":
-        import pyarrow.parquet as pq
+    from flashdraft.bounded import open_regular
 
-        return f"{pq.ParquetFile(path).metadata.num_rows:,} rows"
-    with open(path, "rb") as f:
+    with open_regular(path) as f:  # a FIFO or a device is refused, never read
+        if path.suffix == ".parquet":
+            import pyarrow.parquet as pq
+
+            return f"{pq.ParquetFile(f).metadata.num_rows:,} rows"
         lines = sum(chunk.count(b"\n") for chunk in iter(lambda: f.read(1 << 20), b""))
     return f"{lines:,} lines"
 

@@ -28,22 +28,52 @@ from rich.progress import (
 from rich.text import Text
 
 
+class Pace:
+    """How far the progress display now open has got, for a reader on another thread (the demo's heartbeat):
+    done of total since `t0`, counting from `started_at` (work a rerun found done does not make a rate)."""
+
+    def __init__(self, total: int | None, completed: int) -> None:
+        self.total, self.done, self.started_at, self.t0 = total, completed, completed, time.monotonic()
+
+    def seconds_left(self) -> float | None:
+        """At the pace so far; None before the first unit of work (no pace yet) or without a total."""
+        made, elapsed = self.done - self.started_at, time.monotonic() - self.t0
+        if not self.total or made <= 0 or elapsed <= 0:
+            return None
+        return max(0, self.total - self.done) * elapsed / made
+
+
+current: Pace | None = None  # the open progress display's pace (one at a time in a process)
+
+
 @contextmanager
 def progress(console, text: str, total: int | None = None, completed: int = 0, **fields) -> Iterator[Callable]:
     """Yields `update(advance=0, **fields)`. With a total: bar, done/total, ETA; without: spinner, elapsed."""
-    if console is None:
-        yield lambda advance=0, **kw: None
-        return
-    if not console.is_terminal:
-        yield PlainLines(console, text, total, completed, fields).update
-        return
-    if total is None:
-        columns = (SpinnerColumn(), TextColumn(text), TimeElapsedColumn())
-    else:
-        columns = (TextColumn(text), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn())
-    with Progress(*columns, console=console) as bar:
-        task = bar.add_task("", total=total, completed=completed, **fields)
-        yield lambda advance=0, **kw: bar.update(task, advance=advance, **kw)
+    global current
+    pace = current = Pace(total, completed)
+
+    def counted(show: Callable) -> Callable:
+        def update(advance: int = 0, **kw) -> None:
+            pace.done += advance
+            show(advance=advance, **kw)
+        return update
+
+    try:
+        if console is None:
+            yield counted(lambda advance=0, **kw: None)
+        elif not console.is_terminal:
+            yield counted(PlainLines(console, text, total, completed, fields).update)
+        else:
+            if total is None:
+                columns = (SpinnerColumn(), TextColumn(text), TimeElapsedColumn())
+            else:
+                columns = (TextColumn(text), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn())
+            with Progress(*columns, console=console) as bar:
+                task = bar.add_task("", total=total, completed=completed, **fields)
+                yield counted(lambda advance=0, **kw: bar.update(task, advance=advance, **kw))
+    finally:
+        if current is pace:
+            current = None
 
 
 class PlainLines:

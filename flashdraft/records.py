@@ -13,6 +13,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from flashdraft.bounded import open_regular
+
 ROLES = {"system", "user", "assistant", "tool"}
 SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
                   "system": "system", "tool": "tool", "function": "tool"}
@@ -22,16 +24,28 @@ class BadRecord(ValueError):
     """A record that cannot be used; the message is the reason written to rejected.jsonl."""
 
 
-def jsonl_lines(path: Path) -> Iterator[tuple[int, bytes]]:
-    """(1-based line number, raw bytes) of every non-blank line."""
-    with open(path, "rb") as f:
-        for number, raw in enumerate(f, start=1):
-            if raw.strip():
+MAX_LINE_BYTES = 64 << 20  # one record; a longer line is rejected (and skipped) without being held in memory
+
+
+def jsonl_lines(path: Path) -> Iterator[tuple[int, bytes | BadRecord]]:
+    """(1-based line number, raw bytes) of every non-blank line; a line over MAX_LINE_BYTES comes as its
+    BadRecord. Only a regular file is read (a FIFO or a device such as /dev/zero is refused in one line)."""
+    with open_regular(path) as f:
+        number = 0
+        while raw := f.readline(MAX_LINE_BYTES):
+            number += 1
+            if len(raw) == MAX_LINE_BYTES and not raw.endswith(b"\n"):
+                while (rest := f.readline(MAX_LINE_BYTES)) and not rest.endswith(b"\n"):
+                    pass  # the rest of the line, read and dropped piece by piece
+                yield number, BadRecord(f"line longer than {MAX_LINE_BYTES >> 20} MB")
+            elif raw.strip():
                 yield number, raw
 
 
 def parse_json(raw: bytes | dict) -> Any:
     """One JSONL line parsed (a row from Parquet / datasets is already parsed)."""
+    if isinstance(raw, BadRecord):  # a line jsonl_lines could not hold
+        raise raw
     if not isinstance(raw, bytes):
         return raw
     try:

@@ -73,16 +73,16 @@ def work_in_progress(stage: str, path: Path, cfg: PipelineConfig) -> dict[str, A
     holder = lock_holder(out)
     marker = read_marker(out) if out.is_dir() else {}
     info: dict[str, Any] = {}
-    if stage == "generate" and marker.get("batches"):
+    if stage == "generate" and (total := count(marker.get("batches"))):
         done = sum(1 for f in path.glob("batch-*.jsonl") if not f.name.endswith(".errors.jsonl"))
-        info = {"done": done, "total": marker["batches"], "unit": "batches",
-                "at_start": marker.get("committed_at_start", 0), "started": marker.get("started")}
-    elif stage == "train" and marker.get("total_steps"):
+        info = {"done": done, "total": total, "unit": "batches",
+                "at_start": count(marker.get("committed_at_start")) or 0, "started": marker.get("started")}
+    elif stage == "train" and (total := count(marker.get("total_steps"))):
         from flashdraft.train.checkpoint import checkpoint_dirs
 
         newest = next(iter(checkpoint_dirs(out)), None)
-        info = {"done": last_logged_step(out / "metrics.jsonl"), "total": marker["total_steps"], "unit": "steps",
-                "at_start": marker.get("start_step", 0), "started": marker.get("started"),
+        info = {"done": last_logged_step(out / "metrics.jsonl"), "total": total, "unit": "steps",
+                "at_start": count(marker.get("start_step")) or 0, "started": marker.get("started"),
                 "checkpoint": newest.name if newest is not None else None}
     if holder is not None:
         state = "running"
@@ -94,10 +94,19 @@ def work_in_progress(stage: str, path: Path, cfg: PipelineConfig) -> dict[str, A
         state = "not started"
     progress = {"state": state, **info}
     if holder:
-        progress["holder"] = {k: holder.get(k) for k in ("program", "pid", "host", "since")}
+        from flashdraft.artifact.prefix import printable
+
+        progress["holder"] = {k: holder[k] if count(holder[k]) is not None else printable(holder[k])
+                              for k in ("program", "pid", "host", "since") if k in holder}
     if state == "running" and info.get("started"):
         progress.update(rate_and_eta(info))
     return progress
+
+
+def count(value: Any) -> int | None:
+    """A count read from an owner marker, or None for anything that is not a non-negative whole number (a marker
+    is a file in the output: damaged or edited, it says nothing about progress rather than breaking status)."""
+    return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else None
 
 
 def last_logged_step(metrics: Path) -> int:

@@ -234,6 +234,10 @@ class TcpForwarder:
 
     def close(self) -> None:
         if self._listener is not None:
+            try:  # wakes the accept() blocked on it: a bare close() from another thread leaves it accepting
+                self._listener.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
             self._listener.close()
 
     def cut(self) -> None:

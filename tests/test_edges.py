@@ -341,6 +341,7 @@ def test_settings_out_of_range_or_unused_are_one_line_before_any_work(cli, tmp_p
         "target_layer_ids: [1, 99]": dict(target_layer_ids=[1, 99]),
         "mask_token_id: 100000": dict(mask_token_id=100000),
         "draft_vocab_size: 1e8": dict(draft_vocab_size=10**8),
+        "distill_topk: 100000": dict(distill_topk=100000, features="offline"),  # the target has 128 tokens
         "dpace_alpha with loss: decay": dict(dpace_alpha=0.3),
         "muon_lr with AdamW": dict(muon_lr=1e-2),
         "selector_top_k with DFlash": dict(selector_top_k=8),
@@ -352,7 +353,8 @@ def test_settings_out_of_range_or_unused_are_one_line_before_any_work(cli, tmp_p
         proc = cli("train", "--config", str(cfg), "--data", str(tiny_dataset), "--out", str(out), timeout=120)
         assert proc.returncode == 1, name
         assert one_line_error(proc).startswith("error: invalid config" if name != "target_layer_ids: [1, 99]" and
-                                               "mask" not in name and "draft_vocab" not in name else "error: train.")
+                                               "mask" not in name and "vocab" not in name and "distill" not in name
+                                               else "error: train.")
         assert time.monotonic() - started < 60 and not (out / "drafter").exists() and not (out / "checkpoints").exists()
 
 

@@ -53,6 +53,7 @@ from flashdraft.artifact.manifest import (
     read_manifest,
     unsafe_path_reason,
 )
+from flashdraft.bounded import read_small
 from flashdraft.errors import ExpectedFailure
 
 OWNER = f"{INTERNAL_PREFIX}owner.json"  # inside an output a run has claimed but not yet committed: {"kind", …}
@@ -244,9 +245,7 @@ def _describe_holder(path: Path, wait_s: float = 2.0) -> str:
 
 def read_holder(path: Path) -> dict[str, Any]:
     """The lock file's holder record, read without following a link at its name."""
-    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
-    with os.fdopen(fd) as f:
-        return json.loads(f.read())
+    return json.loads(read_small(path, 4096, follow_links=False))
 
 
 def _open_lock_file(path: Path) -> int:
@@ -279,7 +278,7 @@ def lock_holder(out: str | Path) -> dict[str, Any] | None:
     process does — a killed run's lock file is no holder. Only reads: the file is neither created nor changed."""
     path = lock_path(Path(out))
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)  # a FIFO planted there must not block
     except OSError:  # none there (never started, or finished), or not a lock file
         return None
     try:

@@ -110,6 +110,10 @@ class LocalStore:
             names.append(MANIFEST)
         return {n: Listed((self.root / n).stat().st_size) for n in names}
 
+    def listed(self, rel: str) -> Listed | None:
+        path = self.root / rel
+        return Listed(path.stat().st_size) if path.is_file() else None
+
     def head(self, rel: str) -> Remote | None:
         path = self.root / rel
         if not path.is_file():
@@ -316,6 +320,13 @@ class S3Store:
                     found[rel] = Listed(obj["Size"], obj.get("ETag"))
         return found
 
+    def listed(self, rel: str) -> Listed | None:
+        """One object as a listing shows it (size, ETag), or None: what a conditional write over it needs."""
+        key = self.key(rel)
+        page = self._call(f"list {rel}", self.client.list_objects_v2, Prefix=key, MaxKeys=1)
+        found = [obj for obj in page.get("Contents", []) if obj["Key"] == key]
+        return Listed(found[0]["Size"], found[0].get("ETag")) if found else None
+
     def head(self, rel: str) -> Remote | None:
         key = self.key(rel)
         r = self._call(f"head {rel}", self.client.head_object, missing_ok=True, Key=key, ChecksumMode="ENABLED")
@@ -463,7 +474,9 @@ class S3Store:
 
     def write_if(self, rel: str, data: bytes, *, if_match: str | None = None) -> str | None:
         """Write a small object only if it is absent (`if_match` None) or still the version `if_match` names;
-        returns its new ETag, or None when another writer's version is there (PreconditionFailed)."""
+        returns its new ETag, or None when another writer's version is there (PreconditionFailed) or the version
+        named is gone (AWS answers If-Match on a missing key with 404 NoSuchKey, SeaweedFS with 412: both mean
+        "not yours any more")."""
         import hashlib
 
         from botocore.exceptions import BotoCoreError, ClientError
@@ -475,7 +488,10 @@ class S3Store:
         except BotoCoreError as e:
             raise StoreError(self.redactor.redact(f"write {rel}: cannot reach the store: {e}")) from None
         except ClientError as e:
-            if e.response.get("Error", {}).get("Code") in ("PreconditionFailed", "412", "ConditionalRequestConflict"):
+            code = e.response.get("Error", {}).get("Code")
+            if code in ("PreconditionFailed", "412", "ConditionalRequestConflict"):
+                return None
+            if if_match and code in ("NoSuchKey", "404", "NotFound"):  # AWS answers If-Match on a deleted key so
                 return None
             raise StoreError(self.redactor.redact(f"write {rel}: {e}")) from None
         return r.get("ETag")

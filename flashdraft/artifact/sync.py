@@ -12,7 +12,9 @@ been confirmed by the store, and only then is the manifest written (a conditiona
 
 from __future__ import annotations
 
+import hashlib
 import json
+import os
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
@@ -59,6 +61,7 @@ from flashdraft.artifact.store import (
     Remote,
     StoreError,
 )
+from flashdraft.layout import cache_dir
 
 
 @dataclass
@@ -148,15 +151,30 @@ def local_manifest(src: Path, log: Callable[[str], None], deep: bool = True) -> 
     except ManifestError:
         kind = "files"
     if not (src / MANIFEST).exists():
-        write_manifest(src, built := describe_directory(src))
-        log(f"notice: {src} had no manifest.json; built one ({len(built.files)} files)")
+        built = describe_directory(src)
+        log(f"notice: {src} had no manifest.json; {_keep_description(src, built)} ({len(built.files)} files)")
     elif problems := verify_dir(src, deep=deep or kind == "files"):
         if kind != "files":
             raise VerifyFailed(str(src), problems)
-        write_manifest(src, built := describe_directory(src))
-        log(f"notice: {src} changed since its manifest ({problems[0]}…); re-described it ({len(built.files)} files)")
-    raw = (src / MANIFEST).read_bytes()
-    return parse_manifest(raw), raw
+        built = describe_directory(src)
+        log(f"notice: {src} changed since its manifest ({problems[0]}…); {_keep_description(src, built)} "
+            f"({len(built.files)} files)")
+    else:
+        raw = (src / MANIFEST).read_bytes()
+        return parse_manifest(raw), raw
+    raw = built.to_json().encode("utf-8")
+    return built, raw
+
+
+def _keep_description(src: Path, built: Manifest) -> str:
+    """Keep a plain directory's new description beside its files (its identity across later edits), where the
+    directory can be written; a read-only source (an NFS export, a colleague's directory) is pushed from the
+    description in memory, and nothing is written into it."""
+    try:
+        write_manifest(src, built)
+    except OSError as e:
+        return f"described it in memory ({e.strerror or e}: nothing is written into the source)"
+    return "built one"
 
 
 NO_CHECKSUM = "the store returned no checksum for it"
@@ -208,6 +226,7 @@ def push(
     force: bool = False,
     console: Console | None = None,
     log: Callable[[str], None] = print,
+    lease: WriterLease | None = None,
 ) -> SyncResult:
     """Push the artifact at `src` to `store`. Refused before anything is written when the prefix holds an
     artifact of another kind or lineage (unless `force`), or objects no manifest of this artifact listed (with or
@@ -218,7 +237,9 @@ def push(
     version this push saw at its start (a conditional write: If-None-Match for a new object, If-Match its ETag
     for a replaced one) and only while the prefix has no manifest (looked at before each write), and after its
     own commit the push confirms that every object is the one it sent or kept. So of two concurrent pushes at
-    most one ends "verified", and a push that said "verified" is not overwritten by the other afterwards."""
+    most one ends "verified", and a push that said "verified" is not overwritten by the other afterwards.
+    `lease`: a writer lease the caller already holds on `store` (generate, which uploads batches under it before
+    this final push); otherwise the push takes its own."""
     if getattr(store, "prefix", None) == "":
         raise StoreError(f"refusing to push to the bucket root {store.url}: name a prefix (e.g. {store.url}/run1/data)")
     described_here = Path(src).is_dir() and not (Path(src) / MANIFEST).exists()
@@ -226,8 +247,8 @@ def push(
         if isinstance(store, LocalStore):
             refuse_overlap(store.root, [src])
             with output_lock(store.root):
-                return _push(Path(src), store, delete, jobs, part_size, force, console, log)
-        return _push(Path(src), store, delete, jobs, part_size, force, console, log)
+                return _push(Path(src), store, delete, jobs, part_size, force, console, log, lease)
+        return _push(Path(src), store, delete, jobs, part_size, force, console, log, lease)
     except BaseException:
         if described_here and _kind_at(Path(src)) == "files":  # the description this push wrote, nothing else
             (Path(src) / MANIFEST).unlink(missing_ok=True)  # left as it was found, without a manifest
@@ -242,7 +263,7 @@ def _kind_at(root: Path) -> str | None:
 
 
 def _push(src: Path, store, delete: bool, jobs: int, part_size: int | None, force: bool, console,
-          log: Callable[[str], None]) -> SyncResult:
+          log: Callable[[str], None], held: WriterLease | None = None) -> SyncResult:
     # A stage artifact's bytes are checked once: the files that will not be sent are re-hashed here (below), the
     # ones that will are checked by the store against the manifest's checksums as they arrive.
     manifest, raw = local_manifest(src, log, deep=False)
@@ -263,8 +284,7 @@ def _push(src: Path, store, delete: bool, jobs: int, part_size: int | None, forc
     if manifest.kind != "files" and (problems := content_problems(src, kept)):
         raise VerifyFailed(str(src), problems)
     extra = [rel for rel in listing if rel != MANIFEST and rel not in listed]
-    remote_manifest = claim_prefix(store, manifest.kind, manifest.lineage, force=force, log=log) \
-        if MANIFEST in listing else None
+    remote_manifest = claim_prefix(store, manifest.kind, manifest.lineage, force=force, log=log)
 
     if not to_send and not extra and remote_manifest == raw:
         memo.save(manifest, {rel: listing[rel] for rel in listed})
@@ -283,6 +303,9 @@ def _push(src: Path, store, delete: bool, jobs: int, part_size: int | None, forc
         raise VerifyFailed(store.url, [Problem(rel, why if rel in foreign else
                                                "unlisted object: not in the manifest (push with --delete to remove it)")
                                        for rel in foreign + [r for r in extra if r not in foreign]])
+    if held is not None:
+        return _write(src, store, manifest, raw, listing, present, to_send, extra, earlier, remote_manifest, memo,
+                      result, delete, jobs, part_size, console, log, held)
     with LocalLease() if isinstance(store, LocalStore) else WriterLease(store, log) as lease:
         return _write(src, store, manifest, raw, listing, present, to_send, extra, earlier, remote_manifest, memo,
                       result, delete, jobs, part_size, console, log, lease)
@@ -296,7 +319,7 @@ def _write(src: Path, store, manifest: Manifest, raw: bytes, listing: dict, pres
     is checked once more first (`retire_manifest`): a commit between that read and the lease is not written under."""
     listed = {e.path for e in manifest.files}
     sending = {e.path for e in to_send}
-    retire_manifest(store, remote_manifest, earlier)
+    retire_manifest(store, remote_manifest, earlier, manifest.kind, manifest.lineage)
     if hasattr(store, "abort_incomplete_uploads") and (aborted := store.abort_incomplete_uploads()):
         log(f"push: aborted {aborted} multipart upload(s) at {store.url} left open for over a day (a killed push's)")
     total = sum(e.size for e in to_send)
@@ -355,17 +378,18 @@ def upload_part_size(to_send: list[FileEntry], jobs: int) -> int:
 
 
 class EtagMemo:
-    """ETags of objects whose checksums this machine confirmed against the manifest, per store URL.
+    """ETags of objects whose checksums this machine confirmed against the manifest, per source and store URL.
 
     A store changes an object's ETag whenever it is overwritten, so an unchanged ETag in a fresh listing
     vouches for content confirmed earlier: a no-op re-sync of 1,000 files costs one listing, not 1,000
-    HEADs. Kept beside the source under an internal name (never data, never uploaded).
+    HEADs. Kept in this machine's cache (keyed by the source's real path), never in the source: a push does not
+    write into what it copies (a read-only source pushes, and re-pushes, as any other). Losing it costs HEADs,
+    not correctness; a cache that cannot be written is skipped.
     """
 
-    NAME = ".flashdraft-etags.json"
-
     def __init__(self, src: Path, url: str) -> None:
-        self.path, self.url = src / self.NAME, url
+        key = hashlib.sha256(os.path.realpath(src).encode()).hexdigest()[:32]
+        self.path, self.url = cache_dir() / "push-memo" / f"{key}.json", url
         try:
             self.all = json.loads(self.path.read_text())
         except (OSError, ValueError):
@@ -382,7 +406,11 @@ class EtagMemo:
             rel: [item.etag, by_path[rel].sha256] for rel, item in confirmed.items() if item.etag and rel in by_path
         }
         self.all = (self.all if isinstance(self.all, dict) else {}) | {self.url: memo}
-        atomic_write_text(self.path, json.dumps(self.all))
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            atomic_write_text(self.path, json.dumps(self.all))
+        except OSError:  # a read-only home: the next push asks the store instead
+            pass
 
 
 # ---------------------------------------------------------------------------------------------- pull

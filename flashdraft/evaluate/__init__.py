@@ -125,6 +125,11 @@ def run(
             # a prompt is timed. A later turn holds the earlier ones and their answers (+ room for its own text).
             longest = max(len(render(p.prompt.messages)) for p in prompts)
             turns_most = max(1 + len(p.follow_ups) for p in prompts)
+            context = getattr(target.config, "max_position_embeddings", None)
+            if isinstance(context, int) and longest + cfg.max_new_tokens > context:  # before any buffer is asked for
+                raise BadInput(f"eval.max_new_tokens {cfg.max_new_tokens:,} after a {longest:,}-token prompt is past "
+                               f"the target's context ({context:,} positions): the static cache cannot hold it; use "
+                               f"at most {max(1, context - longest):,}")
             decoder.reserve(longest + turns_most * (cfg.max_new_tokens + 512) + 2 * drafter.block_size)
             if decoder.compiled:
                 decoder, machinery = warm_up(decoder, render(prompts[0].prompt.messages), target, drafter, stop_ids,

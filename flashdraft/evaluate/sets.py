@@ -131,14 +131,31 @@ def _turns(spec: dict[str, Any], record: Any) -> list[str]:
     if not isinstance(record, dict):
         raise ValueError(f"record is a {type(record).__name__}, not an object")
     if "turns" in spec:
-        turns = record.get(spec["turns"])
+        fields = spec["turns"] if isinstance(spec["turns"], list) else [spec["turns"]]
+        field = next((f for f in fields if f in record), fields[0])
+        turns = record.get(field)
         if not isinstance(turns, list) or not turns or not all(isinstance(t, str) and t.strip() for t in turns):
-            raise ValueError(f"`{spec['turns']}` must be a non-empty list of non-empty strings")
+            raise ValueError(f"`{field}` must be a non-empty list of non-empty strings")
         return turns
-    try:
-        text = spec["turn"].format_map(record)
-    except KeyError as e:
-        raise ValueError(f"no `{e.args[0]}` field (has: {', '.join(sorted(record)) or 'none'})") from None
+    for name in template_fields(spec["turn"]):
+        if name not in record:
+            note = next((why for marker, why in spec.get("misread", {}).items() if marker in record), None)
+            raise ValueError(f"no `{name}` field (has: {', '.join(sorted(record)) or 'none'})"
+                             + (f": {note}" if note else ""))
+        if not isinstance(record[name], str):  # null, a number, an object: formatted, it would be measured
+            raise ValueError(f"`{name}` is {_json_type(record[name])}, not a string")
+    text = spec["turn"].format_map(record)
     if not text.strip():
         raise ValueError("the formatted turn is empty")
     return [text]
+
+
+def template_fields(template: str) -> list[str]:
+    """The record fields a `turn` template reads (`{question}` → question)."""
+    import string
+
+    return [name for _, name, _, _ in string.Formatter().parse(template) if name]
+
+
+def _json_type(value: Any) -> str:
+    return {type(None): "null", dict: "an object", list: "a list", bool: "a boolean"}.get(type(value), "a number")

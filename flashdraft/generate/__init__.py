@@ -18,6 +18,7 @@ import itertools
 import json
 import time
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -205,38 +206,42 @@ def _run_locked(cfg: GenerateConfig, out: Path, upload_to: str | None, console, 
         f"{len(prompt_set.rejected)} rejected lines, {prompt_set.duplicates} duplicates dropped"
     )
     store = _open_upload_store(upload_to)
-    if store is not None and todo:  # batches will land one by one: never under a live manifest, never another's
-        from flashdraft.artifact.prefix import open_for_writing
+    with _upload_lease(store, log) as lease:  # batches land one by one: one writer, never under a live manifest
+        if store is not None and todo:
+            from flashdraft.artifact.prefix import open_for_writing
 
-        open_for_writing(store, "completions", lineage)
+            open_for_writing(store, "completions", lineage)
+        if todo:
+            _generate_batches(cfg, out, batches, todo, store, lease, console, log)
+        stats = _finalize(out, len(batches), prompt_set, lineage, cfg)
+        log(
+            f"generate: done, verified — {out}: {stats['records']} records, {stats['errors']} errors, "
+            f"{stats['rejected']} rejected, {stats['truncated']} truncated, {stats['completion_tokens']:,} tokens; "
+            f"{stats['assistant_turns']} assistant turns regenerated; thinking on {stats['thinking_on']}, "
+            f"off {stats['thinking_off']}"
+        )
+        if store is not None:
+            from flashdraft.artifact.sync import push
 
-    if todo:
-        backend = make_backend(cfg, log)
-        total, tokens, started = sum(len(ids) for ids in todo.values()), 0, time.perf_counter()
-        with progress(console, "generate {task.fields[tps]} tok/s", total=total, tps="–") as update:
-            for k, batch in batch_prompts(cfg, batches, set(todo)):
-                missing = set(todo[k])
-                prompts = [p for p in batch if p.id in missing]
-                answered = regenerate(backend, prompts, cfg.turns, seed=cfg.seed + k)
-                commit_batch(out, k, batches[k], prompts, answered, backend.model_name, cfg)
-                completions = [done for _, done in answered]
-                if store is not None:
-                    _upload_now(store, out, [batch_name(k)])
-                tokens += sum(c.completion_tokens for c in completions if c.error is None)
-                update(advance=len(prompts), tps=f"{tokens / (time.perf_counter() - started):,.0f}")
-
-    stats = _finalize(out, len(batches), prompt_set, lineage, cfg)
-    log(
-        f"generate: done, verified — {out}: {stats['records']} records, {stats['errors']} errors, "
-        f"{stats['rejected']} rejected, {stats['truncated']} truncated, {stats['completion_tokens']:,} tokens; "
-        f"{stats['assistant_turns']} assistant turns regenerated; thinking on {stats['thinking_on']}, "
-        f"off {stats['thinking_off']}"
-    )
-    if store is not None:
-        from flashdraft.artifact.sync import push
-
-        log(push(out, store, log=log).line())
+            log(push(out, store, log=log, lease=lease).line())
     return stats
+
+
+def _generate_batches(cfg: GenerateConfig, out: Path, batches: list[list[str]], todo: dict[int, list[str]], store,
+                      lease, console, log) -> None:
+    backend = make_backend(cfg, log)
+    total, tokens, started = sum(len(ids) for ids in todo.values()), 0, time.perf_counter()
+    with progress(console, "generate {task.fields[tps]} tok/s", total=total, tps="–") as update:
+        for k, batch in batch_prompts(cfg, batches, set(todo)):
+            missing = set(todo[k])
+            prompts = [p for p in batch if p.id in missing]
+            answered = regenerate(backend, prompts, cfg.turns, seed=cfg.seed + k)
+            commit_batch(out, k, batches[k], prompts, answered, backend.model_name, cfg)
+            completions = [done for _, done in answered]
+            if store is not None:
+                _upload_now(store, lease, out, [batch_name(k)])
+            tokens += sum(c.completion_tokens for c in completions if c.error is None)
+            update(advance=len(prompts), tps=f"{tokens / (time.perf_counter() - started):,.0f}")
 
 
 CONTEXT_CHUNK = 1024  # prompts checked against the hf target's context at a time
@@ -387,9 +392,39 @@ def _open_upload_store(url: str | None):
     return open_store(url)
 
 
-def _upload_now(store, out: Path, names: list[str]) -> None:
-    """Push freshly committed batch files as they land; the final push skips them and verifies all."""
+@contextmanager
+def _upload_lease(store, log) -> Iterator[Any]:
+    """What every write to the upload store happens under, from the first batch to the final push: the prefix's
+    writer lease (S3), or the store directory's lock (a local store), as `sync push` takes them. None without a
+    store."""
+    if store is None:
+        yield None
+        return
+    from flashdraft.artifact.prefix import LocalLease, WriterLease
+    from flashdraft.artifact.store import LocalStore
+
+    if isinstance(store, LocalStore):
+        with output_lock(store.root), LocalLease() as lease:
+            yield lease
+        return
+    with WriterLease(store, log, program="flashdraft generate --upload-to") as lease:
+        yield lease
+
+
+def _upload_now(store, lease, out: Path, names: list[str]) -> None:
+    """Push freshly committed batch files as they land; the final push skips them and verifies all. Each is written
+    only while this run holds the prefix's lease and the prefix has no manifest, and only over the version of the
+    object that was there just before (a conditional write), as `sync push` writes."""
+    from flashdraft.artifact.manifest import Problem
+    from flashdraft.artifact.prefix import VerifyFailed
+
     for name in names:
+        lease.check()
+        if store.read_bytes(MANIFEST) is not None:
+            raise VerifyFailed(store.url, [Problem(MANIFEST, "an artifact was committed here while generate uploaded "
+                                                             "its batches; nothing more was written")])
         digest = digest_file(out / name)
         entry = FileEntry(path=name, size=(out / name).stat().st_size, sha256=digest.sha256, crc64nvme=digest.crc64nvme)
-        store.upload(out / name, entry, lambda n: None)
+        before = store.listed(name)
+        store.upload(out / name, entry, lambda n: None, if_match=before.etag if before else None,
+                     if_absent=before is None)

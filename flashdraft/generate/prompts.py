@@ -116,7 +116,8 @@ def normalize(record: Any) -> Prompt:
 def _jsonl_records(path: Path) -> Iterator[tuple[int, Any, str]]:
     """(line number, parsed record or BadRecord, raw text) for every non-blank line."""
     for number, raw in jsonl_lines(path):
-        text = raw.decode("utf-8", "replace")  # for rejected.jsonl: what the line says, as far as it can be read
+        # for rejected.jsonl: what the line says, as far as it can be read
+        text = raw.decode("utf-8", "replace") if isinstance(raw, bytes) else ""
         try:
             yield number, parse_json(raw), text
         except BadRecord as e:

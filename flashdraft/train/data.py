@@ -80,8 +80,9 @@ SELECTOR_BYTES_LIMIT = 8 << 30  # DFlash2's codebooks (float32, with AdamW's two
 
 
 def check_against_target(cfg: TrainConfig, target_config) -> None:
-    """The settings whose range is the target's: layer ids inside it, a mask token and vocabulary sizes inside
-    its vocabulary, a DFlash2 selector that fits in memory. Refused in one line before any weight is built."""
+    """The settings whose range is the target's: layer ids inside it, a mask token, vocabulary sizes and the
+    distillation top-k inside its vocabulary, a DFlash2 selector that fits in memory. Refused in one line before
+    any weight is built."""
     t = target_config.get_text_config() if hasattr(target_config, "get_text_config") else target_config
     layers, vocab = t.num_hidden_layers, t.vocab_size
     if cfg.target_layer_ids and (outside := [i for i in cfg.target_layer_ids if i >= layers]):
@@ -93,6 +94,9 @@ def check_against_target(cfg: TrainConfig, target_config) -> None:
     if cfg.draft_vocab_size is not None and cfg.draft_vocab_size > vocab:
         raise BadTrainingInput(f"train.draft_vocab_size {cfg.draft_vocab_size:,} is larger than the target's "
                                f"vocabulary ({vocab:,}): drop it for the full vocabulary")
+    if cfg.distill_topk > vocab:
+        raise BadTrainingInput(f"train.distill_topk {cfg.distill_topk:,} is larger than the target's vocabulary "
+                               f"({vocab:,}): the top-k is at most every token (typical: 8 … 64)")
     if cfg.architecture == "dflash2":
         codebooks = 2 * vocab * cfg.selector_rank * 4 * 3  # weights and AdamW's two moments, float32
         if codebooks > SELECTOR_BYTES_LIMIT:
