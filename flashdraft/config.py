@@ -213,6 +213,13 @@ class EvalConfig(Section):
     # the growing cache (faster there). static: the static cache on any device, and a target it cannot hold is
     # refused instead of decoded on the growing cache (evaluate/static.py says which). dynamic: the growing cache.
     decoding: Literal["auto", "static", "dynamic"] = "auto"
+    # a serving engine that also measures τ on the same prompts (evaluate/engines.py): flashdraft starts it from
+    # engine_python's virtualenv (scripts/engines.sh), or uses the server at engine_url; engine_baseline starts it
+    # once more without the drafter for tokens/s without speculation
+    engine: Literal["none", "vllm"] = "none"
+    engine_url: str | None = None
+    engine_python: str | None = None
+    engine_baseline: bool = True
 
     @property
     def sources(self) -> list[str]:

@@ -188,6 +188,11 @@ def evaluate(
     decoding: Annotated[str | None, typer.Option(
         help="auto | static | dynamic: auto is a static KV cache with CUDA graphs on a GPU, the growing cache on "
              "a CPU.")] = None,
+    engine: Annotated[str | None, typer.Option(
+        help="none | vllm: also serve the target with the drafter in this engine and report its τ beside eval's "
+             "(scripts/engines.sh installs it).")] = None,
+    engine_url: Annotated[str | None, typer.Option(
+        help="An engine already serving the target with this drafter (its base URL): measured there instead.")] = None,
     config: ConfigFlag = None,
     json_out: JsonFlag = False,
 ) -> None:
@@ -202,6 +207,8 @@ def evaluate(
         "eval.max_prompts": max_prompts,
         "eval.thinking": {"on": True, "off": False}.get(thinking, thinking),
         "eval.decoding": decoding,
+        "eval.engine": engine,
+        "eval.engine_url": engine_url,
     }
     cfg = load_config(config, overrides)
     drafter = drafter or stage_dir(cfg.workdir, "train")

@@ -78,9 +78,10 @@ def run(
                            + (f" ({len(each.rejected)} rejected: {each.rejected[0].reason})" if each.rejected else "")
                            + ": nothing to measure τ on")
     target_path = resolve_model(target_ref or cfg.target, log=log)
-    lineage = Lineage(
-        inputs=[identity(drafter_dir)], config=sha256_json({"eval": cfg.model_dump(), "target": target_path})
-    )
+    # how an engine is reached is not what is measured; without one the lineage is what it was before engines
+    engine_keys = {"engine", "engine_url", "engine_python", "engine_baseline"}
+    measured = cfg.model_dump(exclude=engine_keys if cfg.engine == "none" else {"engine_url", "engine_python"})
+    lineage = Lineage(inputs=[identity(drafter_dir)], config=sha256_json({"eval": measured, "target": target_path}))
     # Locked for the run; refused unless it is an eval report (or empty) outside the drafter and the target.
     with hold_output(out, "eval", inputs=[drafter_dir, target_path]):
         decision = check_done(out, lineage)
@@ -168,6 +169,9 @@ def run(
                 })
 
         report = summarize(per_prompt, drafter.block_size, cfg)
+        if cfg.engine != "none":
+            report["engine"] = engine_report(cfg, prompts, render, target_path, drafter_dir, drafter.block_size,
+                                             report, out, log)
         # the type greedy output was compared in, and the machinery both decodings ran on
         report["target_dtype"] = str(target.model.dtype).removeprefix("torch.")
         report["decoding"] = machinery
@@ -177,6 +181,8 @@ def run(
                                               "lookup_acceptance_length", "lookup_speedup", "lookup_lossless",
                                               "prompts", "tokens_per_s", "target_dtype", "near_ties", "decoding",
                                               "rejected")}
+        if "engine" in report:
+            stats["engine"] = {k: v for k, v in report["engine"].items() if k not in ("by_dataset",)}
         stats["by_dataset"] = {name: {key: block[key] for key in ("acceptance_length", "speedup", "lossless",
                                                                    "prompts")}
                                for name, block in report["by_dataset"].items()}
@@ -202,6 +208,34 @@ def run(
            if report["lookup_speedup"] is not None else "not measured")
     )
     return stats
+
+
+def engine_report(cfg: EvalConfig, prompts: list, render: Callable, target_path: str, drafter_dir: Path,
+                  block_size: int, report: dict[str, Any], out: Path, log: Callable[[str], None]) -> dict[str, Any]:
+    """The engine's τ on the same prompts and token budget (greedy; a later turn after the engine's own answer),
+    beside eval's own, per dataset."""
+    from flashdraft.evaluate.engines import measure
+
+    if cfg.temperature > 0:
+        raise BadInput("eval.engine measures greedy acceptance: set eval.temperature 0")
+    logs = out.parent / f"{out.name}-engine-logs"  # beside the report, not in it: an engine's log is no result
+    logs.mkdir(parents=True, exist_ok=True)
+    turns = [(p.dataset, list(p.prompt.messages), p.follow_ups) for p in prompts]
+    longest = max(len(render(p.prompt.messages)) for p in prompts)
+    log(f"eval: measuring τ in {cfg.engine} on the same {len(prompts)} prompts (logs: {logs})")
+    engine = measure(cfg.engine, turns, render, target_dir=Path(target_path), drafter_dir=drafter_dir,
+                     block_size=block_size, max_new_tokens=cfg.max_new_tokens, longest_prompt=longest, logs=logs,
+                     url=cfg.engine_url, python=cfg.engine_python, baseline=cfg.engine_baseline, log=log)
+    tau = (engine["overall"] or {}).get("acceptance_length")
+    if tau is None:
+        raise BadInput(f"{cfg.engine} drafted nothing on {len(prompts)} prompts: its counters show no drafts (is it "
+                       "serving this drafter?)")
+    engine["flashdraft_acceptance_length"] = report["acceptance_length"]
+    engine["difference"] = round(tau - report["acceptance_length"], 4)
+    overall = engine["overall"]
+    log(f"eval: {cfg.engine} τ {tau:.2f} ({overall['accepted_tokens']} accepted tokens in {overall['drafts']} "
+        f"drafts) beside eval's τ {report['acceptance_length']:.2f}")
+    return engine
 
 
 def choose_decoder(cfg: EvalConfig, target: Target, drafter, stop_ids: set[int],

@@ -82,7 +82,28 @@ def markdown_report(report: dict[str, Any]) -> str:
         lines.append(f"| {name} | {block['prompts']} | {block['acceptance_length']:.2f} | "
                      f"{block['acceptance_length_mean_per_turn']:.2f} | {positions} | {block['speedup']:.2f}× | "
                      f"{lossless[block['lossless']]} |")
+    if "engine" in report:
+        lines += ["", *engine_table(report)]
     return "\n".join(lines) + "\n"
+
+
+def engine_table(report: dict[str, Any]) -> list[str]:
+    """The engine's τ beside eval's, per dataset, and its tokens/s with and without the drafter."""
+    engine = report["engine"]
+    with_s, without_s = engine.get("tokens_per_s"), engine.get("tokens_per_s_without_drafter")
+    pace = f"{with_s:g} tokens/s with the drafter" + (f", {without_s:g} without" if without_s else "")
+    lines = [f"τ in {engine['engine']} (its own counters: 1 + accepted / drafts), greedy, the same prompts — {pace}",
+             "", "| dataset | engine τ | eval τ | engine acceptance by position 1…K−1 | drafts |",
+             "|---|---:|---:|---|---:|"]
+    rows = [(name, block, report["by_dataset"][name]["acceptance_length"])
+            for name, block in engine["by_dataset"].items()]
+    if len(rows) > 1:
+        rows.append(("**all**", engine["overall"], report["acceptance_length"]))
+    for name, block, ours in rows:
+        tau = f"{block['acceptance_length']:.2f}" if block["acceptance_length"] is not None else "–"
+        positions = " ".join(f"{x:.2f}" for x in block["acceptance_by_position"] if x is not None)
+        lines.append(f"| {name} | {tau} | {ours:.2f} | {positions} | {block['drafts']} |")
+    return lines
 
 
 def spread(ratios: list[float]) -> dict[str, float] | None:

@@ -43,7 +43,8 @@ def convert_gguf(gguf: Path, out: Path, log=print) -> Path:
     first converts, then finds it done, instead of converting twice or being refused."""
     from flashdraft.artifact.manifest import sha256_file  # local: only hashed when a conversion is considered
 
-    lineage = Lineage(config=sha256_json({"gguf": gguf.name, "sha256": sha256_file(gguf), "dtype": "float32"}))
+    lineage = Lineage(config=sha256_json({"gguf": gguf.name, "sha256": sha256_file(gguf), "dtype": "float32",
+                                          "quantization_config": "dropped"}))
     with output_lock(out, wait=True):
         decision = check_done(out, lineage)
         if not decision.done or str(out) not in _SAID_DONE:  # once a process: every stage resolves the target
@@ -67,6 +68,10 @@ def _convert(gguf: Path, out: Path, lineage: Lineage, log) -> None:
     # model of the same class from the config and load the dequantized weights into it.
     config = copy.deepcopy(loaded.config)
     config.architectures = [type(loaded).__name__]
+    # The weights saved are plain float32: a leftover `quantization_config: gguf` would say otherwise, and vLLM
+    # refuses to serve a directory that carries it.
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
     plain = type(loaded)(config)
     plain.load_state_dict(loaded.state_dict())
     with commit_dir(out, "model", stats={"source": gguf.name}, lineage=lineage) as tmp:
