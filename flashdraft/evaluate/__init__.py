@@ -77,6 +77,12 @@ def run(
             raise BadInput(f"no usable prompts in {each.name}"
                            + (f" ({len(each.rejected)} rejected: {each.rejected[0].reason})" if each.rejected else "")
                            + ": nothing to measure τ on")
+    if cfg.engine != "none":  # before any decoding: the engine can be had
+        from flashdraft.evaluate.engines import check_engine
+
+        if cfg.temperature > 0:
+            raise BadInput("eval.engine measures greedy acceptance: set eval.temperature 0")
+        log(f"eval: engine {check_engine(cfg.engine, cfg.engine_url, cfg.engine_python)}")
     target_path = resolve_model(target_ref or cfg.target, log=log)
     # how an engine is reached is not what is measured; without one the lineage is what it was before engines
     engine_keys = {"engine", "engine_url", "engine_python", "engine_baseline"}
@@ -169,9 +175,6 @@ def run(
                 })
 
         report = summarize(per_prompt, drafter.block_size, cfg)
-        if cfg.engine != "none":
-            report["engine"] = engine_report(cfg, prompts, render, target_path, drafter_dir, drafter.block_size,
-                                             report, out, log)
         # the type greedy output was compared in, and the machinery both decodings ran on
         report["target_dtype"] = str(target.model.dtype).removeprefix("torch.")
         report["decoding"] = machinery
@@ -181,12 +184,15 @@ def run(
                                               "lookup_acceptance_length", "lookup_speedup", "lookup_lossless",
                                               "prompts", "tokens_per_s", "target_dtype", "near_ties", "decoding",
                                               "rejected")}
-        if "engine" in report:
-            stats["engine"] = {k: v for k, v in report["engine"].items() if k not in ("by_dataset",)}
         stats["by_dataset"] = {name: {key: block[key] for key in ("acceptance_length", "speedup", "lossless",
                                                                    "prompts")}
                                for name, block in report["by_dataset"].items()}
         with commit_dir(out, "eval", stats=stats, lineage=lineage) as building:  # its own files, renamed in whole
+            if cfg.engine != "none":  # the engine's logs are part of the report: what it said while it served
+                report["engine"] = engine_report(cfg, prompts, render, target_path, drafter_dir, drafter.block_size,
+                                                 report, building, log)
+                stats["engine"] = {k: v for k, v in report["engine"].items() if k != "by_dataset"}
+                table = markdown_report(report)
             atomic_write_text(building / "report.json", json.dumps({**report, "prompts": per_prompt}, indent=1))
             atomic_write_text(building / "report.md", table)
             if rejected:
@@ -211,18 +217,14 @@ def run(
 
 
 def engine_report(cfg: EvalConfig, prompts: list, render: Callable, target_path: str, drafter_dir: Path,
-                  block_size: int, report: dict[str, Any], out: Path, log: Callable[[str], None]) -> dict[str, Any]:
+                  block_size: int, report: dict[str, Any], logs: Path, log: Callable[[str], None]) -> dict[str, Any]:
     """The engine's τ on the same prompts and token budget (greedy; a later turn after the engine's own answer),
     beside eval's own, per dataset."""
     from flashdraft.evaluate.engines import measure
 
-    if cfg.temperature > 0:
-        raise BadInput("eval.engine measures greedy acceptance: set eval.temperature 0")
-    logs = out.parent / f"{out.name}-engine-logs"  # beside the report, not in it: an engine's log is no result
-    logs.mkdir(parents=True, exist_ok=True)
     turns = [(p.dataset, list(p.prompt.messages), p.follow_ups) for p in prompts]
     longest = max(len(render(p.prompt.messages)) for p in prompts)
-    log(f"eval: measuring τ in {cfg.engine} on the same {len(prompts)} prompts (logs: {logs})")
+    log(f"eval: measuring τ in {cfg.engine} on the same {len(prompts)} prompts")
     engine = measure(cfg.engine, turns, render, target_dir=Path(target_path), drafter_dir=drafter_dir,
                      block_size=block_size, max_new_tokens=cfg.max_new_tokens, longest_prompt=longest, logs=logs,
                      url=cfg.engine_url, python=cfg.engine_python, baseline=cfg.engine_baseline, log=log)

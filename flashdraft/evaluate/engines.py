@@ -234,6 +234,26 @@ def summary(by_set: dict[str, dict[str, float]]) -> dict[str, Any]:
     return {"overall": one(total) if by_set else None, "by_dataset": {name: one(row) for name, row in by_set.items()}}
 
 
+def check_engine(engine: str, url: str | None, python: str | None) -> str:
+    """Before eval's own work: the engine can be had — its virtualenv is there (flashdraft starts it), or the
+    server at `url` answers `GET /v1/models`. Returns what was found; raises EngineFailed saying what is missing."""
+    if url is not None:
+        from flashdraft.bounded import get_json
+
+        try:
+            served = get_json(f"{url.rstrip('/')}/v1/models", deadline_s=10)
+        except ValueError as e:
+            raise EngineFailed(f"--engine-url {url}: {e}") from None
+        names = [m.get("id") for m in (served.get("data") or []) if isinstance(m, dict)] if isinstance(served, dict) \
+            else []
+        return f"{engine} at {url} serves {', '.join(map(str, names)) or 'nothing it names'}"
+    interpreter = Path(python) if python else default_python(engine)
+    if not interpreter.is_file():
+        raise EngineFailed(f"no {engine} virtualenv at {interpreter.parent.parent}: run scripts/engines.sh (or set "
+                           "eval.engine_python, or pass --engine-url for a server already running)")
+    return f"{engine} in {interpreter.parent.parent}"
+
+
 Turns = list[tuple[str, list[dict], tuple[str, ...]]]  # (dataset, first turn's messages, later user turns)
 
 
@@ -246,10 +266,8 @@ def measure(engine: str, turns: Turns, render: Callable, *, target_dir: Path, dr
     if url is not None:
         by_set, seconds, tokens = decode_all(url.rstrip("/"), turns, render, max_new_tokens)
         return {"engine": engine, "url": url, **summary(by_set), "tokens_per_s": round(tokens / seconds, 2)}
+    check_engine(engine, None, python)
     interpreter = Path(python) if python else default_python(engine)
-    if not interpreter.is_file():
-        raise EngineFailed(f"no {engine} virtualenv at {interpreter.parent.parent}: run scripts/engines.sh (or set "
-                           "eval.engine_python, or pass --engine-url for a server already running)")
     max_len = longest_prompt + 2 * (max_new_tokens + 512) + 2 * block_size  # two turns and their answers
     result: dict[str, Any] = {"engine": engine}
     port = free_port()
