@@ -216,7 +216,7 @@ class EvalConfig(Section):
     # a serving engine that also measures τ on the same prompts (evaluate/engines.py): flashdraft starts it from
     # engine_python's virtualenv (scripts/engines.sh), or uses the server at engine_url; engine_baseline starts it
     # once more without the drafter for tokens/s without speculation
-    engine: Literal["none", "vllm"] = "none"
+    engine: Literal["none", "vllm", "llamacpp"] = "none"
     engine_url: str | None = None
     engine_python: str | None = None
     engine_baseline: bool = True

