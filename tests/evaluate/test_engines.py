@@ -7,11 +7,12 @@ import json
 import pytest
 import torch
 
-from flashdraft.evaluate.engines import default_python, parse_metrics, summary
+from flashdraft.evaluate.engines import engine_program, parse_metrics, summary
 
-HAS_VLLM = default_python("vllm").is_file()
-needs_vllm = pytest.mark.skipif(not HAS_VLLM, reason=f"vLLM's CPU build is not installed at "
-                                f"{default_python('vllm').parent.parent}: run scripts/engines.sh")
+needs_vllm = pytest.mark.skipif(not engine_program("vllm", None).is_file(), reason="vLLM's CPU build is not "
+                                f"installed at {engine_program('vllm', None)}: run scripts/engines.sh")
+needs_llamacpp = pytest.mark.skipif(not engine_program("llamacpp", None).is_file(), reason="llama.cpp is not built "
+                                    f"at {engine_program('llamacpp', None)}: run scripts/engines.sh")
 
 # What vLLM 0.32's /metrics says of speculative decoding (its counter names and labels, as served), after
 # 2 drafts of 3 tokens with 4 accepted: position 0 twice, 1 twice, 2 never.
@@ -39,12 +40,14 @@ def test_the_engines_counters_make_its_own_mean_acceptance_length():
     assert overall["acceptance_by_position"] == [1.0, 1.0, 0.0]
 
 
-PROMPTS = ["Tell me about cats.", "Name three colours.", "What is a river?"]
+PROMPTS = ["Tell me about cats.", "Name three colours.", "What is a river?", "How do bees make honey?"]
+DRAFT_VOCAB = 2048  # a reduced vocabulary: the layout each engine must read (vLLM: d2t offsets; llama.cpp: I64 ids)
 
 
 def agreeing_drafter(target_dir: str, tokenizer, steps: int):
-    """A one-layer, block-4 drafter trained on the target's own greedy answers to PROMPTS: it accepts well above
-    one token on them, so an engine that misreads the export (layer ids, mask token, block layout) shows."""
+    """A one-layer, block-4 drafter over a 2,048-token draft vocabulary, trained a little on the target's own greedy
+    answers to PROMPTS: it accepts a few dozen drafts on them, where an engine that misreads the export (layer ids,
+    mask token, block layout, the draft vocabulary's mapping) accepts next to none."""
     from flashdraft.config import TrainConfig
     from flashdraft.evaluate.decode import target_only
     from flashdraft.model.drafter import DFlashDrafter, draft_config
@@ -53,46 +56,98 @@ def agreeing_drafter(target_dir: str, tokenizer, steps: int):
 
     target = Target(target_dir, "cpu", lambda line: None)
     torch.manual_seed(0)
-    drafter = DFlashDrafter(draft_config(target.config, num_layers=1, block_size=4,
+    drafter = DFlashDrafter(draft_config(target.config, num_layers=1, block_size=4, draft_vocab_size=DRAFT_VOCAB,
                                          mask_token_id=tokenizer.vocab_size - 1))
     target.watch(drafter.target_layer_ids)
     sequences = []
     for text in PROMPTS:
         ids = list(tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
                                                  tokenize=True, return_dict=True)["input_ids"])
-        full = torch.tensor(ids + target_only(target, ids, 40)[0])
+        full = torch.tensor(ids + target_only(target, ids, 48)[0])
         mask = torch.zeros(len(full), dtype=torch.long)
         mask[len(ids) - 1 :] = 1
         sequences.append((full, mask))
+    seen = torch.unique(torch.cat([full for full, _ in sequences]))
+    used = set(seen.tolist())
+    others = torch.tensor([i for i in range(target.config.vocab_size) if i not in used])
+    drafter.set_draft_vocab(torch.cat([seen, others[: DRAFT_VOCAB - len(seen)]]))
     optimizer = torch.optim.AdamW(drafter.parameters(), lr=5e-3)
-    cfg = TrainConfig(block_size=4, max_anchors=64, max_length=4096)
+    cfg = TrainConfig(block_size=4, max_anchors=64, max_length=4096, draft_vocab_size=DRAFT_VOCAB)
     for step in range(steps):
         for full, mask in sequences:
             generator = torch.Generator().manual_seed(step)
             sequence_step(drafter, target, full, mask, cfg, generator, "cpu")["loss"].backward()
         optimizer.step()
         optimizer.zero_grad()
-    return drafter
+    return drafter, target.model.get_output_embeddings().weight.detach()
+
+
+@pytest.fixture(scope="module")
+def agreeing_export(tmp_path_factory, smollm2_dir):
+    """The drafter above, exported as train exports it (bf16, z-lab format, the target's head rows for its
+    vocabulary), and its prompts."""
+    from transformers import AutoTokenizer
+
+    from flashdraft.model.export import save_drafter
+
+    where = tmp_path_factory.mktemp("agreeing")
+    drafter, head = agreeing_drafter(smollm2_dir, AutoTokenizer.from_pretrained(smollm2_dir), steps=60)
+    save_drafter(drafter, where / "drafter", target_lm_head=head)
+    prompts = where / "p.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": text}) + "\n" for text in PROMPTS))
+    return where / "drafter", prompts
+
+
+def served_tau(engine: str, drafter_dir, prompts, target: str, out, baseline: bool) -> dict:
+    """eval with the engine: the engine's accepted drafts are eval's, near enough to tell a misread export (which
+    accepts next to nothing) from a faithful one, and its τ is eval's within 0.1."""
+    from flashdraft.config import EvalConfig
+    from flashdraft.evaluate import run
+
+    cfg = EvalConfig(prompts=str(prompts), target=target, max_new_tokens=48, engine=engine, engine_baseline=baseline)
+    stats = run(cfg, drafter_dir, out, log=print)
+    served = stats["engine"]["overall"]
+    steps = [p["accepted"] for p in json.loads((out / "report.json").read_text())["prompts"]]
+    accepted, passes = sum(map(sum, steps)), sum(map(len, steps))  # eval's accepted drafts, its verify passes
+    assert stats["lossless"] is True and accepted >= 5, (accepted, passes)  # a drafter with something to accept
+    assert abs(served["accepted_tokens"] - accepted) <= max(2, accepted // 10), (served, accepted, passes)
+    assert abs(served["drafts"] - passes) <= 3 and abs(served["acceptance_length"] - stats["acceptance_length"]) <= 0.1
+    report = (out / "report.md").read_text()
+    assert f"τ in {engine}" in report and f"{served['acceptance_length']:.2f}" in report
+    return stats["engine"]
 
 
 @pytest.mark.slow
 @needs_vllm
-def test_vllm_serves_the_export_and_counts_the_tau_eval_measures(tmp_path, smollm2_dir):
-    from transformers import AutoTokenizer
-
-    from flashdraft.config import EvalConfig
-    from flashdraft.evaluate import run
-    from flashdraft.model.export import save_drafter
-
-    tokenizer = AutoTokenizer.from_pretrained(smollm2_dir)
-    save_drafter(agreeing_drafter(smollm2_dir, tokenizer, steps=120), tmp_path / "drafter")
-    prompts = tmp_path / "p.jsonl"
-    prompts.write_text("".join(json.dumps({"prompt": text}) + "\n" for text in PROMPTS))
-    cfg = EvalConfig(prompts=str(prompts), target=smollm2_dir, max_new_tokens=40, engine="vllm")
-    stats = run(cfg, tmp_path / "drafter", tmp_path / "eval", log=print)
-    engine = stats["engine"]
-    assert stats["lossless"] is True and stats["acceptance_length"] > 1.5  # a drafter worth reading right
-    assert abs(engine["overall"]["acceptance_length"] - stats["acceptance_length"]) <= 0.1, engine
+def test_vllm_serves_the_export_and_counts_the_tau_eval_measures(tmp_path, smollm2_dir, agreeing_export):
+    engine = served_tau("vllm", *agreeing_export, smollm2_dir, tmp_path / "eval", baseline=True)
     assert engine["tokens_per_s"] > 0 and engine["tokens_per_s_without_drafter"] > 0
-    report = (tmp_path / "eval" / "report.md").read_text()
-    assert "τ in vllm" in report and f"{engine['overall']['acceptance_length']:.2f}" in report
+    assert len(engine["overall"]["acceptance_by_position"]) == 3  # block 4: three drafted positions
+
+
+@pytest.mark.slow
+@needs_llamacpp
+def test_llamacpp_serves_the_gguf_export_and_counts_the_tau_eval_measures(tmp_path, smollm2_dir, agreeing_export):
+    """Through `export --format gguf` (llama.cpp's converter, with the draft vocabulary's d2t it cannot map by
+    itself): llama-server loads it and accepts what eval accepts."""
+    served_tau("llamacpp", *agreeing_export, smollm2_dir, tmp_path / "eval", baseline=False)
+
+
+@pytest.mark.slow
+@needs_llamacpp
+def test_the_gguf_export_is_a_verified_artifact_with_the_draft_vocabulary_as_target_ids(cli, tmp_path, smollm2_dir,
+                                                                                         agreeing_export):
+    from gguf import GGUFReader
+    from safetensors.torch import load_file
+
+    drafter_dir, _ = agreeing_export
+    out = tmp_path / "gguf"
+    cli("export", "--format", "gguf", "--drafter", str(drafter_dir), "--target", smollm2_dir, "--out", str(out),
+        check=True)
+    assert cli("verify", str(out)).returncode == 0
+    again = cli("export", "--format", "gguf", "--drafter", str(drafter_dir), "--target", smollm2_dir, "--out",
+                str(out), check=True)
+    assert "already done, verified" in again.stdout + again.stderr
+    d2t = next(t for t in GGUFReader(out / "drafter.gguf").tensors if t.name == "d2t")
+    offsets = load_file(drafter_dir / "model.safetensors")["d2t"]
+    assert d2t.data.tolist() == (offsets + torch.arange(len(offsets))).tolist()  # absolute target ids
