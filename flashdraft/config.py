@@ -213,10 +213,11 @@ class EvalConfig(Section):
     # the growing cache (faster there). static: the static cache on any device, and a target it cannot hold is
     # refused instead of decoded on the growing cache (evaluate/static.py says which). dynamic: the growing cache.
     decoding: Literal["auto", "static", "dynamic"] = "auto"
-    # a serving engine that also measures τ on the same prompts (evaluate/engines.py): flashdraft starts it from
-    # engine_python's virtualenv (scripts/engines.sh), or uses the server at engine_url; engine_baseline starts it
-    # once more without the drafter for tokens/s without speculation
-    engine: Literal["none", "vllm", "llamacpp"] = "none"
+    # serving engines that also measure τ on the same prompts, each reported beside eval's (evaluate/engines.py):
+    # flashdraft starts each from scripts/engines.sh's installs (vLLM's from engine_python's virtualenv), or uses
+    # the one server at engine_url; engine_baseline starts each once more without the drafter, for tokens/s
+    engine: Literal["none", "vllm", "llamacpp"] | Annotated[list[Literal["vllm", "llamacpp"]],
+                                                            Field(min_length=1)] = "none"
     engine_url: str | None = None
     engine_python: str | None = None
     engine_baseline: bool = True
@@ -224,6 +225,17 @@ class EvalConfig(Section):
     @property
     def sources(self) -> list[str]:
         return [self.prompts] if isinstance(self.prompts, str) else list(self.prompts)
+
+    @property
+    def engines(self) -> list[str]:
+        """The engines to measure in, in order (none: [])."""
+        return [] if self.engine == "none" else [self.engine] if isinstance(self.engine, str) else list(self.engine)
+
+    @model_validator(mode="after")
+    def one_engine_at_a_url(self) -> EvalConfig:
+        if self.engine_url is not None and len(self.engines) != 1:
+            raise ValueError("eval.engine_url is one server: name the one engine it runs (eval.engine)")
+        return self
 
 
 class PipelineConfig(Section):

@@ -328,11 +328,10 @@ def pipeline_checks(cfg: PipelineConfig, stages: list[str], every: bool = True) 
     if "eval" in stages:
         checks.append(check_model(cfg.eval.target, "eval target"))
         checks += [check_eval_prompts(source) for source in cfg.eval.sources]
-        if cfg.eval.engine != "none":
-            from flashdraft.evaluate.engines import check_engine
+        from flashdraft.evaluate.engines import check_engine
 
-            checks.append(guarded(f"eval engine {cfg.eval.engine}", lambda: check_engine(
-                cfg.eval.engine, cfg.eval.engine_url, cfg.eval.engine_python)))
+        checks += [guarded(f"eval engine {engine}", lambda engine=engine: check_engine(
+            engine, cfg.eval.engine_url, cfg.eval.engine_python)) for engine in cfg.eval.engines]
     if every or all(c.ok for c in checks):
         checks.append(_disk_for(cfg, stages))
     return checks

@@ -188,9 +188,9 @@ def evaluate(
     decoding: Annotated[str | None, typer.Option(
         help="auto | static | dynamic: auto is a static KV cache with CUDA graphs on a GPU, the growing cache on "
              "a CPU.")] = None,
-    engine: Annotated[str | None, typer.Option(
-        help="none | vllm | llamacpp: also serve the target with the drafter in this engine and report its τ "
-             "beside eval's (scripts/engines.sh installs them).")] = None,
+    engine: Annotated[list[str] | None, typer.Option(
+        help="vllm | llamacpp, repeatable: also serve the target with the drafter in that engine and report its "
+             "τ beside eval's (scripts/engines.sh installs them).")] = None,
     engine_url: Annotated[str | None, typer.Option(
         help="An engine already serving the target with this drafter (its base URL): measured there instead.")] = None,
     config: ConfigFlag = None,
@@ -207,7 +207,7 @@ def evaluate(
         "eval.max_prompts": max_prompts,
         "eval.thinking": {"on": True, "off": False}.get(thinking, thinking),
         "eval.decoding": decoding,
-        "eval.engine": engine,
+        "eval.engine": (engine[0] if len(engine) == 1 else list(engine)) if engine else None,
         "eval.engine_url": engine_url,
     }
     cfg = load_config(config, overrides)

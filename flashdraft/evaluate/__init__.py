@@ -77,16 +77,17 @@ def run(
             raise BadInput(f"no usable prompts in {each.name}"
                            + (f" ({len(each.rejected)} rejected: {each.rejected[0].reason})" if each.rejected else "")
                            + ": nothing to measure τ on")
-    if cfg.engine != "none":  # before any decoding: the engine can be had
+    if cfg.engines:  # before any decoding: each engine can be had
         from flashdraft.evaluate.engines import check_engine
 
         if cfg.temperature > 0:
             raise BadInput("eval.engine measures greedy acceptance: set eval.temperature 0")
-        log(f"eval: engine {check_engine(cfg.engine, cfg.engine_url, cfg.engine_python)}")
+        for engine in cfg.engines:
+            log(f"eval: engine {check_engine(engine, cfg.engine_url, cfg.engine_python)}")
     target_path = resolve_model(target_ref or cfg.target, log=log)
     # how an engine is reached is not what is measured; without one the lineage is what it was before engines
     engine_keys = {"engine", "engine_url", "engine_python", "engine_baseline"}
-    measured = cfg.model_dump(exclude=engine_keys if cfg.engine == "none" else {"engine_url", "engine_python"})
+    measured = cfg.model_dump(exclude=engine_keys if not cfg.engines else {"engine_url", "engine_python"})
     lineage = Lineage(inputs=[identity(drafter_dir)], config=sha256_json({"eval": measured, "target": target_path}))
     # Locked for the run; refused unless it is an eval report (or empty) outside the drafter and the target.
     with hold_output(out, "eval", inputs=[drafter_dir, target_path]):
@@ -188,10 +189,12 @@ def run(
                                                                    "prompts")}
                                for name, block in report["by_dataset"].items()}
         with commit_dir(out, "eval", stats=stats, lineage=lineage) as building:  # its own files, renamed in whole
-            if cfg.engine != "none":  # the engine's logs are part of the report: what it said while it served
-                report["engine"] = engine_report(cfg, prompts, render, target_path, drafter_dir, drafter.block_size,
-                                                 report, building, log)
-                stats["engine"] = {k: v for k, v in report["engine"].items() if k != "by_dataset"}
+            if cfg.engines:  # the engines' logs are part of the report: what each said while it served
+                report["engines"] = {engine: engine_report(cfg, engine, prompts, render, target_path, drafter_dir,
+                                                           drafter.block_size, report, building, log)
+                                     for engine in cfg.engines}
+                stats["engines"] = {engine: {k: v for k, v in measured.items() if k != "by_dataset"}
+                                    for engine, measured in report["engines"].items()}
                 table = markdown_report(report)
             atomic_write_text(building / "report.json", json.dumps({**report, "prompts": per_prompt}, indent=1))
             atomic_write_text(building / "report.md", table)
@@ -216,7 +219,7 @@ def run(
     return stats
 
 
-def engine_report(cfg: EvalConfig, prompts: list, render: Callable, target_path: str, drafter_dir: Path,
+def engine_report(cfg: EvalConfig, name: str, prompts: list, render: Callable, target_path: str, drafter_dir: Path,
                   block_size: int, report: dict[str, Any], logs: Path, log: Callable[[str], None]) -> dict[str, Any]:
     """The engine's τ on the same prompts and token budget (greedy; a later turn after the engine's own answer),
     beside eval's own, per dataset."""
@@ -224,18 +227,18 @@ def engine_report(cfg: EvalConfig, prompts: list, render: Callable, target_path:
 
     turns = [(p.dataset, list(p.prompt.messages), p.follow_ups) for p in prompts]
     longest = max(len(render(p.prompt.messages)) for p in prompts)
-    log(f"eval: measuring τ in {cfg.engine} on the same {len(prompts)} prompts")
-    engine = measure(cfg.engine, turns, render, target_dir=Path(target_path), drafter_dir=drafter_dir,
+    log(f"eval: measuring τ in {name} on the same {len(prompts)} prompts")
+    engine = measure(name, turns, render, target_dir=Path(target_path), drafter_dir=drafter_dir,
                      block_size=block_size, max_new_tokens=cfg.max_new_tokens, longest_prompt=longest, logs=logs,
                      url=cfg.engine_url, python=cfg.engine_python, baseline=cfg.engine_baseline, log=log)
     tau = (engine["overall"] or {}).get("acceptance_length")
     if tau is None:
-        raise BadInput(f"{cfg.engine} drafted nothing on {len(prompts)} prompts: its counters show no drafts (is it "
+        raise BadInput(f"{name} drafted nothing on {len(prompts)} prompts: its counters show no drafts (is it "
                        "serving this drafter?)")
     engine["flashdraft_acceptance_length"] = report["acceptance_length"]
     engine["difference"] = round(tau - report["acceptance_length"], 4)
     overall = engine["overall"]
-    log(f"eval: {cfg.engine} τ {tau:.2f} ({overall['accepted_tokens']} accepted tokens in {overall['drafts']} "
+    log(f"eval: {name} τ {tau:.2f} ({overall['accepted_tokens']} accepted tokens in {overall['drafts']} "
         f"drafts) beside eval's τ {report['acceptance_length']:.2f}")
     return engine
 

@@ -82,14 +82,13 @@ def markdown_report(report: dict[str, Any]) -> str:
         lines.append(f"| {name} | {block['prompts']} | {block['acceptance_length']:.2f} | "
                      f"{block['acceptance_length_mean_per_turn']:.2f} | {positions} | {block['speedup']:.2f}× | "
                      f"{lossless[block['lossless']]} |")
-    if "engine" in report:
-        lines += ["", *engine_table(report)]
+    for engine in report.get("engines", {}).values():
+        lines += ["", *engine_table(engine, report)]
     return "\n".join(lines) + "\n"
 
 
-def engine_table(report: dict[str, Any]) -> list[str]:
-    """The engine's τ beside eval's, per dataset, and its tokens/s with and without the drafter."""
-    engine = report["engine"]
+def engine_table(engine: dict[str, Any], report: dict[str, Any]) -> list[str]:
+    """An engine's τ beside eval's, per dataset, and its tokens/s with and without the drafter."""
     with_s, without_s = engine.get("tokens_per_s"), engine.get("tokens_per_s_without_drafter")
     pace = f"{with_s:g} tokens/s with the drafter" + (f", {without_s:g} without" if without_s else "")
     lines = [f"τ in {engine['engine']} (its own counters: 1 + accepted / drafts), greedy, the same prompts — {pace}",

@@ -1,5 +1,5 @@
-"""A real serving engine in the loop (evaluate/engines.py): vLLM's CPU build serves the embedded target with a
-flashdraft export, and the τ it counts is the τ eval measures on the same prompts. The engine tests need
+"""Real serving engines in the loop (evaluate/engines.py): vLLM's CPU build and llama.cpp serve the embedded target
+with a flashdraft export, and what they count is what eval measures on the same prompts. The engine tests need
 `scripts/engines.sh` (CI runs it); without it they skip and say so."""
 
 import json
@@ -9,8 +9,6 @@ import torch
 
 from flashdraft.evaluate.engines import engine_program, parse_metrics, summary
 
-needs_vllm = pytest.mark.skipif(not engine_program("vllm", None).is_file(), reason="vLLM's CPU build is not "
-                                f"installed at {engine_program('vllm', None)}: run scripts/engines.sh")
 needs_llamacpp = pytest.mark.skipif(not engine_program("llamacpp", None).is_file(), reason="llama.cpp is not built "
                                     f"at {engine_program('llamacpp', None)}: run scripts/engines.sh")
 
@@ -98,39 +96,36 @@ def agreeing_export(tmp_path_factory, smollm2_dir):
     return where / "drafter", prompts
 
 
-def served_tau(engine: str, drafter_dir, prompts, target: str, out, baseline: bool) -> dict:
-    """eval with the engine: the engine's accepted drafts are eval's, near enough to tell a misread export (which
-    accepts next to nothing) from a faithful one, and its τ is eval's within 0.1."""
+INSTALLED = [engine for engine in ("vllm", "llamacpp") if engine_program(engine, None).is_file()]
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not INSTALLED, reason="no serving engine is installed: run scripts/engines.sh")
+def test_the_engines_serve_the_export_and_accept_what_eval_accepts(tmp_path, smollm2_dir, agreeing_export):
+    """One eval, every installed engine in its report (llama.cpp through `export --format gguf`: its converter,
+    with the draft vocabulary's d2t it cannot map by itself). Each engine's accepted drafts are eval's, near enough
+    to tell a misread export (which accepts next to nothing) from a faithful one, and its τ is eval's within 0.1."""
     from flashdraft.config import EvalConfig
     from flashdraft.evaluate import run
 
-    cfg = EvalConfig(prompts=str(prompts), target=target, max_new_tokens=48, engine=engine, engine_baseline=baseline)
+    drafter_dir, prompts = agreeing_export
+    out = tmp_path / "eval"
+    cfg = EvalConfig(prompts=str(prompts), target=smollm2_dir, max_new_tokens=48, engine=INSTALLED)
     stats = run(cfg, drafter_dir, out, log=print)
-    served = stats["engine"]["overall"]
     steps = [p["accepted"] for p in json.loads((out / "report.json").read_text())["prompts"]]
     accepted, passes = sum(map(sum, steps)), sum(map(len, steps))  # eval's accepted drafts, its verify passes
     assert stats["lossless"] is True and accepted >= 5, (accepted, passes)  # a drafter with something to accept
-    assert abs(served["accepted_tokens"] - accepted) <= max(2, accepted // 10), (served, accepted, passes)
-    assert abs(served["drafts"] - passes) <= 3 and abs(served["acceptance_length"] - stats["acceptance_length"]) <= 0.1
     report = (out / "report.md").read_text()
-    assert f"τ in {engine}" in report and f"{served['acceptance_length']:.2f}" in report
-    return stats["engine"]
-
-
-@pytest.mark.slow
-@needs_vllm
-def test_vllm_serves_the_export_and_counts_the_tau_eval_measures(tmp_path, smollm2_dir, agreeing_export):
-    engine = served_tau("vllm", *agreeing_export, smollm2_dir, tmp_path / "eval", baseline=True)
-    assert engine["tokens_per_s"] > 0 and engine["tokens_per_s_without_drafter"] > 0
-    assert len(engine["overall"]["acceptance_by_position"]) == 3  # block 4: three drafted positions
-
-
-@pytest.mark.slow
-@needs_llamacpp
-def test_llamacpp_serves_the_gguf_export_and_counts_the_tau_eval_measures(tmp_path, smollm2_dir, agreeing_export):
-    """Through `export --format gguf` (llama.cpp's converter, with the draft vocabulary's d2t it cannot map by
-    itself): llama-server loads it and accepts what eval accepts."""
-    served_tau("llamacpp", *agreeing_export, smollm2_dir, tmp_path / "eval", baseline=False)
+    for engine in INSTALLED:
+        served = stats["engines"][engine]["overall"]
+        assert abs(served["accepted_tokens"] - accepted) <= max(2, accepted // 10), (engine, served, accepted)
+        assert abs(served["drafts"] - passes) <= 3, (engine, served, passes)
+        assert abs(served["acceptance_length"] - stats["acceptance_length"]) <= 0.1
+        assert f"τ in {engine}" in report and f"{served['acceptance_length']:.2f}" in report
+        pace = stats["engines"][engine]
+        assert pace["tokens_per_s"] > 0 and pace["tokens_per_s_without_drafter"] > 0
+    if "vllm" in INSTALLED:
+        assert len(stats["engines"]["vllm"]["overall"]["acceptance_by_position"]) == 3  # block 4: three drafted
 
 
 @pytest.mark.slow
