@@ -285,6 +285,10 @@ def _push(src: Path, store, delete: bool, jobs: int, part_size: int | None, forc
         raise VerifyFailed(str(src), problems)
     extra = [rel for rel in listing if rel != MANIFEST and rel not in listed]
     remote_manifest = claim_prefix(store, manifest.kind, manifest.lineage, force=force, log=log)
+    if not (src / MANIFEST).exists() and _same_files(remote_manifest, manifest):
+        # a read-only plain directory, described in memory again: the store's description of the same files
+        # stands (its creation time with it), so a rerun is the no-op it should be
+        manifest, raw = parse_manifest(remote_manifest), remote_manifest
 
     if not to_send and not extra and remote_manifest == raw:
         memo.save(manifest, {rel: listing[rel] for rel in listed})
@@ -365,6 +369,18 @@ def _write(src: Path, store, manifest: Manifest, raw: bytes, listing: dict, pres
     result.transferred, result.bytes_transferred = len(to_send), total
     result.skipped, result.verified = len(manifest.files) - len(to_send), len(manifest.files)
     return result
+
+
+def _same_files(raw: bytes | None, manifest: Manifest) -> bool:
+    """Whether a store's manifest describes exactly `manifest`'s files as the same kind of artifact."""
+    if raw is None:
+        return False
+    try:
+        theirs = parse_manifest(raw)
+    except ManifestError:
+        return False
+    return theirs.kind == manifest.kind and theirs.files == manifest.files and theirs.lineage.same_work(
+        manifest.lineage)
 
 
 def upload_part_size(to_send: list[FileEntry], jobs: int) -> int:
