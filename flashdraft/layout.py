@@ -66,3 +66,9 @@ def cache_dir() -> Path:
     """This machine's flashdraft cache (converted models, push memos): $FLASHDRAFT_CACHE or ~/.cache/flashdraft.
     Nothing in it is an artifact's content; each entry can be rebuilt."""
     return Path(os.environ.get("FLASHDRAFT_CACHE", Path.home() / ".cache" / "flashdraft"))
+
+
+def engines_dir(engine: str) -> Path:
+    """Where `scripts/engines.sh` puts a serving engine's virtualenv: $FLASHDRAFT_ENGINES/ENGINE, by default under
+    the cache (outside the project's own venv: vLLM pins its own transformers)."""
+    return Path(os.environ.get("FLASHDRAFT_ENGINES", cache_dir() / "engines")) / engine

@@ -62,7 +62,7 @@ def progress(console, text: str, total: int | None = None, completed: int = 0, *
         if console is None:
             yield counted(lambda advance=0, **kw: None)
         elif not console.is_terminal:
-            yield counted(PlainLines(console, text, total, completed, fields).update)
+            yield counted(PlainLines(console, text, pace, fields).update)
         else:
             if total is None:
                 columns = (SpinnerColumn(), TextColumn(text), TimeElapsedColumn())
@@ -79,27 +79,27 @@ def progress(console, text: str, total: int | None = None, completed: int = 0, *
 class PlainLines:
     """The same progress as plain log lines, at most one per interval: "<text> 120/400 (30%), 2.1/s, ETA 2m13s"."""
 
-    def __init__(self, console, text: str, total: int | None, completed: int, fields: dict) -> None:
-        self.console, self.text, self.total, self.fields = console, text, total, dict(fields)
-        self.started_at, self.done = completed, completed
+    def __init__(self, console, text: str, pace: Pace, fields: dict) -> None:
+        self.console, self.text, self.pace, self.fields = console, text, pace, dict(fields)  # pace: counted by caller
         self.interval = float(os.environ.get("FLASHDRAFT_PROGRESS_SECONDS", "30"))
-        self.t0 = self.last = time.monotonic()
+        self.last = time.monotonic()
 
     def update(self, advance: int = 0, **fields) -> None:
-        self.done += advance
         self.fields.update(fields)
         now = time.monotonic()
         if now - self.last < self.interval:
             return
         self.last = now
-        task = SimpleNamespace(completed=self.done, total=self.total, fields=self.fields)
-        rate = (self.done - self.started_at) / max(now - self.t0, 1e-9)
+        pace = self.pace
+        task = SimpleNamespace(completed=pace.done, total=pace.total, fields=self.fields)
+        rate = (pace.done - pace.started_at) / max(now - pace.t0, 1e-9)
         line = self.text.format(task=task)
-        if self.total:
-            eta = (self.total - self.done) / rate if rate > 0 else float("inf")
-            line += f" {self.done:,}/{self.total:,} ({self.done / self.total:.0%}), {rate:,.2f}/s, ETA {_duration(eta)}"
+        if pace.total:
+            eta = pace.seconds_left()
+            line += (f" {pace.done:,}/{pace.total:,} ({pace.done / pace.total:.0%}), {rate:,.2f}/s, "
+                     f"ETA {_duration(float('inf') if eta is None else eta)}")
         else:
-            line += f" ({rate:,.2f}/s, {_duration(now - self.t0)} elapsed)"
+            line += f" ({rate:,.2f}/s, {_duration(now - pace.t0)} elapsed)"
         self.console.print(Text(line), soft_wrap=True, highlight=False)  # Text: never read as console markup
 
 

@@ -94,9 +94,9 @@ def work_in_progress(stage: str, path: Path, cfg: PipelineConfig) -> dict[str, A
         state = "not started"
     progress = {"state": state, **info}
     if holder:
-        from flashdraft.artifact.prefix import printable
+        from flashdraft.artifact.manifest import shown
 
-        progress["holder"] = {k: holder[k] if count(holder[k]) is not None else printable(holder[k])
+        progress["holder"] = {k: holder[k] if count(holder[k]) is not None else shown(str(holder[k]))
                               for k in ("program", "pid", "host", "since") if k in holder}
     if state == "running" and info.get("started"):
         progress.update(rate_and_eta(info))

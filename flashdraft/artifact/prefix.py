@@ -113,13 +113,6 @@ def gone_here(holder: dict[str, Any], me: dict[str, Any]) -> bool:
     return holder.get("started") is not None and started != holder.get("started")
 
 
-def printable(value: Any, limit: int = 80) -> str:
-    """A field read from a store object, fit for one line of output: no control characters (a newline in a
-    crafted lease could print a forged `error:` line), at most `limit` characters."""
-    text = "".join(ch if ch.isprintable() else "?" for ch in str(value))
-    return text if len(text) <= limit else text[: limit - 1] + "…"
-
-
 class WriterLease:
     """One writer at a time under an S3 prefix: a small object (`.flashdraft-writer.json`, internal, never listed
     as data) created with If-None-Match, naming its holder (`this_process`) and a random token, renewed every
@@ -168,11 +161,9 @@ class WriterLease:
             holder = _holder(raw)
             if not gone_here(holder, self.me) and age < self.LEASE_S:
                 raise busy(self.store.url, holder, age)
-            who = (f"{printable(holder.get('program', 'another push'))} (pid {printable(holder.get('pid', '?'))} on "
-                   f"{printable(holder.get('host', '?'))}")
             self.etag = self.store.write_if(self.NAME, data, if_match=etag)
             if self.etag is not None:
-                self.log(f"push: took over the writer lease of a push that is gone ({who}, last renewed "
+                self.log(f"push: took over the writer lease of a push that is gone ({_who(holder)}, last renewed "
                          f"{age:.0f} s ago)")
         if self.etag is None:
             raise PrefixBusy(f"{self.store.url}: another push took the writer lease at the same moment; nothing "
@@ -223,12 +214,17 @@ class WriterLease:
                 pass
 
 
+def _who(holder: dict[str, Any]) -> str:
+    """`program (pid P on HOST` as a lease names its holder; each field printed safely (`shown`: a newline in a
+    crafted lease cannot print a line of its own)."""
+    return (f"{shown(str(holder.get('program', 'another push')))} (pid {shown(str(holder.get('pid', '?')))} on "
+            f"{shown(str(holder.get('host', '?')))}")
+
+
 def busy(url: str, holder: dict[str, Any], age: float) -> PrefixBusy:
-    who = (f"{printable(holder.get('program', 'another push'))} (pid {printable(holder.get('pid', '?'))} on "
-           f"{printable(holder.get('host', '?'))}")
-    return PrefixBusy(f"{url} is being written by {who}, renewed {age:.0f} s ago); nothing was written: wait for it "
-                      f"to finish (a dead one's lease lapses {WriterLease.LEASE_S:.0f} s after its last renewal, "
-                      "then rerun)")
+    return PrefixBusy(f"{url} is being written by {_who(holder)}, renewed {age:.0f} s ago); nothing was written: "
+                      f"wait for it to finish (a dead one's lease lapses {WriterLease.LEASE_S:.0f} s after its last "
+                      "renewal, then rerun)")
 
 
 def live_writer(store) -> tuple[dict[str, Any], float] | None:
@@ -319,12 +315,12 @@ def _interrupted_owner(raw: bytes | None, kind: str, lineage: Lineage) -> str | 
         return "the files of an interrupted push that does not say what it was writing"
     if their_kind == kind and theirs.same_work(lineage):
         return None
-    return "the files of an interrupted push of " + _other_work(printable(their_kind), theirs, kind, lineage)
+    return "the files of an interrupted push of " + _other_work(shown(str(their_kind)), theirs, kind, lineage)
 
 
 def _created(raw: bytes) -> str:
     try:
-        return printable(json.loads(raw).get("created", "?"))
+        return shown(str(json.loads(raw).get("created", "?")))
     except (ValueError, AttributeError):
         return "?"
 

@@ -17,7 +17,7 @@ import json
 import os
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -307,10 +307,9 @@ def _push(src: Path, store, delete: bool, jobs: int, part_size: int | None, forc
         raise VerifyFailed(store.url, [Problem(rel, why if rel in foreign else
                                                "unlisted object: not in the manifest (push with --delete to remove it)")
                                        for rel in foreign + [r for r in extra if r not in foreign]])
-    if held is not None:
-        return _write(src, store, manifest, raw, listing, present, to_send, extra, earlier, remote_manifest, memo,
-                      result, delete, jobs, part_size, console, log, held)
-    with LocalLease() if isinstance(store, LocalStore) else WriterLease(store, log) as lease:
+    lease_held = (nullcontext(held) if held is not None else LocalLease() if isinstance(store, LocalStore)
+                  else WriterLease(store, log))
+    with lease_held as lease:
         return _write(src, store, manifest, raw, listing, present, to_send, extra, earlier, remote_manifest, memo,
                       result, delete, jobs, part_size, console, log, lease)
 

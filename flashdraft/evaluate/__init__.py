@@ -190,11 +190,12 @@ def run(
                                for name, block in report["by_dataset"].items()}
         with commit_dir(out, "eval", stats=stats, lineage=lineage) as building:  # its own files, renamed in whole
             if cfg.engines:  # the engines' logs are part of the report: what each said while it served
+                passes = sum(len(p["accepted"]) for p in per_prompt)  # eval's verify passes: what could draft
                 report["engines"] = {engine: engine_report(cfg, engine, prompts, render, target_path, drafter_dir,
-                                                           drafter.block_size, report, building, log)
+                                                           drafter.block_size, report, passes, building, log)
                                      for engine in cfg.engines}
-                stats["engines"] = {engine: {k: v for k, v in measured.items() if k != "by_dataset"}
-                                    for engine, measured in report["engines"].items()}
+                stats["engines"] = {engine: {k: v for k, v in served.items() if k != "by_dataset"}
+                                    for engine, served in report["engines"].items()}
                 table = markdown_report(report)
             atomic_write_text(building / "report.json", json.dumps({**report, "prompts": per_prompt}, indent=1))
             atomic_write_text(building / "report.md", table)
@@ -220,7 +221,8 @@ def run(
 
 
 def engine_report(cfg: EvalConfig, name: str, prompts: list, render: Callable, target_path: str, drafter_dir: Path,
-                  block_size: int, report: dict[str, Any], logs: Path, log: Callable[[str], None]) -> dict[str, Any]:
+                  block_size: int, report: dict[str, Any], passes: int, logs: Path,
+                  log: Callable[[str], None]) -> dict[str, Any]:
     """The engine's τ on the same prompts and token budget (greedy; a later turn after the engine's own answer),
     beside eval's own, per dataset."""
     from flashdraft.evaluate.engines import measure
@@ -232,10 +234,13 @@ def engine_report(cfg: EvalConfig, name: str, prompts: list, render: Callable, t
                      block_size=block_size, max_new_tokens=cfg.max_new_tokens, longest_prompt=longest, logs=logs,
                      url=cfg.engine_url, python=cfg.engine_python, baseline=cfg.engine_baseline, log=log)
     tau = (engine["overall"] or {}).get("acceptance_length")
-    if tau is None:
-        raise BadInput(f"{name} drafted nothing on {len(prompts)} prompts: its counters show no drafts (is it "
-                       "serving this drafter?)")
     engine["flashdraft_acceptance_length"] = report["acceptance_length"]
+    if tau is None:
+        if passes:  # eval verified drafts, the engine counted none: it is not speculating with this drafter
+            raise BadInput(f"{name} drafted nothing on {len(prompts)} prompts where eval verified {passes} drafts: "
+                           "its counters show no drafts (is it serving this drafter?)")
+        log(f"eval: {name} drafted nothing, as eval did not: the token budget leaves no step to speculate")
+        return engine
     engine["difference"] = round(tau - report["acceptance_length"], 4)
     overall = engine["overall"]
     log(f"eval: {name} τ {tau:.2f} ({overall['accepted_tokens']} accepted tokens in {overall['drafts']} "

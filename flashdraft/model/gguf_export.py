@@ -16,7 +16,6 @@ tokenizer match by construction. The source drafter must verify; the output is c
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 from collections.abc import Callable
 from pathlib import Path
@@ -25,18 +24,14 @@ from typing import Any
 from flashdraft.artifact.manifest import Lineage, check_done, identity, read_manifest, require_verified, sha256_json
 from flashdraft.artifact.ownership import commit_dir
 from flashdraft.errors import BadInput, ExpectedFailure
-from flashdraft.layout import cache_dir
+from flashdraft.layout import engines_dir
 
 DRAFTER_FILE = "drafter.gguf"
 
 
-def llamacpp_root() -> Path:
-    return Path(os.environ.get("FLASHDRAFT_ENGINES", cache_dir() / "engines")) / "llamacpp"
-
-
 def converter() -> tuple[Path, Path]:
     """(the llamacpp virtualenv's Python, llama.cpp's source tree with convert_hf_to_gguf.py)."""
-    root = llamacpp_root()
+    root = engines_dir("llamacpp")
     python, source = root / "bin" / "python", root / "src"
     if not python.is_file() or not (source / "convert_hf_to_gguf.py").is_file():
         raise ExpectedFailure(f"no llama.cpp converter at {source}: run scripts/engines.sh (it builds llama-server and "
