@@ -344,7 +344,7 @@ class S3Store:
         try:
             return self._upload(local, entry, progress, part_size, condition)
         except StoreError as e:
-            if "PreconditionFailed" not in str(e) and "412" not in str(e):
+            if "PreconditionFailed" not in str(e) and ": 412:" not in str(e):  # the code, not a port that holds 412
                 raise
             raise StoreError(f"{entry.path}: another writer changed it since this push started (theirs was kept); "
                              "rerun once the other push has finished") from None
