@@ -125,7 +125,19 @@ class TrainConfig(Section):
     muon_weight_decay: NonNegativeFloat = 0.1
     # "dflash2": DFlash plus a grouped dynamic causal convolution around every sublayer and a candidate selector
     # that re-ranks the LM head's top-K with the token drafted before (model/dflash2.py). Full vocabulary only.
-    architecture: Literal["dflash", "dflash2"] = "dflash"
+    # "dspark": DSpark (DeepSpec): the DFlash backbone over an anchor-first block (every slot predicts, K drafts a
+    # step), a low-rank Markov head that conditions each slot on the token drafted before it, and a confidence
+    # head that estimates each slot's acceptance (model/dspark.py); trained with DeepSpec's loss (dspark_*_weight)
+    architecture: Literal["dflash", "dflash2", "dspark"] = "dflash"
+    markov_rank: Annotated[int, Field(ge=0, le=8192)] = 256  # DSpark: rank of the Markov head (0: none)
+    markov_head: Literal["vanilla", "gated", "rnn"] = "vanilla"  # DSpark: the engines serve vanilla only
+    confidence_head: bool = True  # DSpark: train the acceptance-confidence head
+    confidence_with_markov: bool = True  # DSpark: the confidence head also reads the previous token's embedding
+    # DSpark's loss (DeepSpec loss.py): weights of the cross-entropy on the labels, of the L1 distance between the
+    # draft's and the target's next-token distributions, and of the confidence head's BCE against their overlap
+    dspark_ce_weight: NonNegativeFloat = 0.1
+    dspark_l1_weight: NonNegativeFloat = 0.9
+    dspark_confidence_weight: NonNegativeFloat = 1.0
     conv_kernel_size: Annotated[int, Field(ge=1, le=128)] = 2  # DFlash2: taps of each convolution, within the block
     conv_group_size: Positive = 16  # DFlash2: channels sharing one predicted kernel
     # DFlash2: rank of the selector's codebooks (2 · vocabulary · rank parameters: its memory is checked against the
@@ -173,6 +185,8 @@ class TrainConfig(Section):
         if self.architecture == "dflash2" and self.sliding_window:
             raise ValueError("architecture: dflash2 with sliding_window is not supported yet: readers disagree on "
                              "whether a sliding DFlash2 layer is causal within the block; drop sliding_window")
+        if self.architecture == "dspark":
+            self._dspark_settings()
         if self.loss == "dpace" and self.loss_decay_gamma is not None:
             raise ValueError("loss_decay_gamma sets the decay loss's weights; with loss: dpace the weights come from "
                              "the draft's confidence (dpace_alpha): drop one of them")
@@ -181,11 +195,34 @@ class TrainConfig(Section):
             self.refuse_unused(name, self.optimizer == "muon", "it sets Muon and optimizer is adamw")
         for name in ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k", "selector_loss_weight"):
             self.refuse_unused(name, self.architecture == "dflash2", "it shapes DFlash2 and architecture is dflash")
-        self.refuse_unused("distill_weight", self.distill_topk > 0, "it weighs soft labels and distill_topk is 0")
+        self.refuse_unused("distill_weight", self.distill_topk > 0 and self.architecture != "dspark",
+                           "it weighs soft labels: distill_topk is 0, or DSpark reads the top-k as its L1 target")
+        for name in ("markov_rank", "markov_head", "confidence_head", "confidence_with_markov", "dspark_ce_weight",
+                     "dspark_l1_weight", "dspark_confidence_weight"):
+            self.refuse_unused(name, self.architecture == "dspark", f"it shapes DSpark and architecture is "
+                               f"{self.architecture}")
         if self.conv_kernel_size > self.block_size:
             raise ValueError(f"conv_kernel_size {self.conv_kernel_size} is longer than the block ({self.block_size}) "
                              "it convolves within")
         return self
+
+
+    def _dspark_settings(self) -> None:
+        """What DSpark cannot take, one line each."""
+        if self.loss == "dpace":
+            raise ValueError("architecture: dspark trains with DeepSpec's loss (dspark_*_weight), not D-PACE: drop "
+                             "loss: dpace")
+        if self.sliding_window:
+            raise ValueError("architecture: dspark with sliding_window is not supported: drop sliding_window")
+        if self.markov_rank == 0 and self.confidence_head and self.confidence_with_markov:
+            raise ValueError("markov_rank 0 has no Markov head, but the confidence head reads its embedding "
+                             "(confidence_with_markov): set markov_rank ≥ 1, or confidence_with_markov: false")
+        if self.markov_rank == 0 and "markov_head" in self.model_fields_set:
+            raise ValueError("markov_head does nothing with markov_rank 0 (no Markov head): drop one of them")
+        needs_target = self.dspark_l1_weight > 0 or (self.confidence_head and self.dspark_confidence_weight > 0)
+        if needs_target and self.features == "offline" and not self.distill_topk:
+            raise ValueError("architecture: dspark's L1 and confidence terms compare with the target's next-token "
+                             "distribution, which the offline cache keeps as its top-k: set distill_topk (e.g. 64)")
 
 
 class EvalConfig(Section):
@@ -221,6 +258,12 @@ class EvalConfig(Section):
     engine_url: str | None = None
     engine_python: str | None = None
     engine_baseline: bool = True
+    # DSpark: stop each block sent for verification where its confidence head says to (None: the whole block).
+    # "first": at the first slot whose confidence is below the threshold (DeepSpec, llama.cpp --spec-draft-p-min);
+    # "product": where the running product of the confidences falls below it (vLLM, SGLang). eval then also
+    # decodes without it, and reports both and the head's calibration by slot.
+    confidence_threshold: Annotated[float, Field(gt=0, lt=1)] | None = None
+    confidence_rule: Literal["first", "product"] = "first"
 
     @property
     def sources(self) -> list[str]:
@@ -235,6 +278,8 @@ class EvalConfig(Section):
     def one_engine_at_a_url(self) -> EvalConfig:
         if self.engine_url is not None and len(self.engines) != 1:
             raise ValueError("eval.engine_url is one server: name the one engine it runs (eval.engine)")
+        self.refuse_unused("confidence_rule", self.confidence_threshold is not None,
+                           "it says how confidence_threshold cuts a block, and no threshold is set")
         return self
 
 

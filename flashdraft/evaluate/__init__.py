@@ -47,9 +47,10 @@ from flashdraft.artifact.ownership import commit_dir, hold_output
 from flashdraft.config import EvalConfig
 from flashdraft.errors import BadInput
 from flashdraft.evaluate.decode import SpecDecoder, divergence, target_only, until_stop
-from flashdraft.evaluate.report import markdown_report, plot, summarize
+from flashdraft.evaluate.report import dspark_summary, markdown_report, plot, summarize
 from flashdraft.evaluate.sets import load_eval_sets
 from flashdraft.evaluate.static import StaticSpecDecoder, cuda_graphs, static_unsupported
+from flashdraft.model.dspark import is_dspark
 from flashdraft.model.export import load_drafter
 from flashdraft.model.target import Target
 
@@ -108,9 +109,12 @@ def run(
                 f"the drafter was trained for a {drafter.config.num_target_layers}-layer target; "
                 f"{target_path} has {target.config.num_hidden_layers} layers"
             )
+        check_confidence(cfg, drafter, drafter_dir)
         tokenizer = AutoTokenizer.from_pretrained(target_path)
         stop_ids = stop_token_ids(tokenizer, target.model.generation_config.eos_token_id)
         decoder, machinery = choose_decoder(cfg, target, drafter, stop_ids, log)
+        # DSpark with a confidence threshold: the same drafter is also decoded with its blocks uncut, to compare
+        uncut = SpecDecoder(target, drafter, stop_ids) if cfg.confidence_threshold is not None else None
 
         # transformers < 5.25 marks hybrid linear-attention models stateful and its assisted generation refuses
         # them; 5.25 rolls their state back itself and runs prompt lookup on them.
@@ -152,6 +156,8 @@ def run(
                 ids = render(messages)
                 # Interleaved per prompt, so drift in machine load hits every method alike.
                 spec = decoder.generate(ids, cfg.max_new_tokens, cfg.temperature, generator)
+                whole = (uncut.generate(ids, cfg.max_new_tokens, cfg.temperature, generator)
+                         if uncut is not None else None)
                 if isinstance(decoder, StaticSpecDecoder):
                     base, base_s = decoder.target_only(ids, cfg.max_new_tokens)
                 else:
@@ -173,9 +179,15 @@ def run(
                                         if pld_s is not None and cfg.temperature <= 0 else None),
                     "lossless": (diverged is None or diverged["near_tie"]) if cfg.temperature <= 0 else None,
                     "divergence": diverged,
+                    **({"proposed": spec.proposed, "confidence": spec.confidence} if is_dspark(drafter) else {}),
+                    **({"accepted_uncut": whole.accepted, "proposed_uncut": whole.proposed,
+                        "confidence_uncut": whole.confidence} if whole is not None else {}),
                 })
 
-        report = summarize(per_prompt, drafter.block_size, cfg)
+        # positions a step can accept: K − 1 drafts (DFlash, DFlash2), K (DSpark, whose anchor slot drafts too)
+        report = summarize(per_prompt, drafter.block_size + int(is_dspark(drafter)), cfg)
+        if is_dspark(drafter):
+            report["dspark"] = dspark_summary(per_prompt, drafter.block_size, cfg)
         # the type greedy output was compared in, and the machinery both decodings ran on
         report["target_dtype"] = str(target.model.dtype).removeprefix("torch.")
         report["decoding"] = machinery
@@ -248,9 +260,26 @@ def engine_report(cfg: EvalConfig, name: str, prompts: list, render: Callable, t
     return engine
 
 
+def check_confidence(cfg: EvalConfig, drafter, drafter_dir: Path) -> None:
+    """A confidence threshold needs a drafter with a confidence head to read."""
+    if cfg.confidence_threshold is None:
+        return
+    if not is_dspark(drafter):
+        raise BadInput(f"eval.confidence_threshold cuts a DSpark block at its confidence head; {drafter_dir} is not "
+                       "a DSpark drafter")
+    if drafter.confidence_head is None:
+        raise BadInput(f"eval.confidence_threshold reads the confidence head, and {drafter_dir} has none "
+                       "(enable_confidence_head: false)")
+
+
 def choose_decoder(cfg: EvalConfig, target: Target, drafter, stop_ids: set[int],
                    log: Callable[[str], None]) -> tuple[SpecDecoder, str]:
     """The decoder `eval.decoding` asks for and the target allows, and the words the report says it with."""
+    if is_dspark(drafter):  # the static cache and its CUDA graphs are written for DFlash's K − 1 drafts
+        if cfg.decoding == "static":
+            raise BadInput("eval.decoding static is not written for DSpark drafters yet: use auto or dynamic")
+        return (SpecDecoder(target, drafter, stop_ids, cfg.confidence_threshold, cfg.confidence_rule),
+                "growing KV cache (DSpark: the static cache is written for DFlash and DFlash2)")
     if cfg.decoding == "dynamic":
         return SpecDecoder(target, drafter, stop_ids), "growing KV cache (eval.decoding: dynamic)"
     why = static_unsupported(target)

@@ -20,6 +20,7 @@ import torch
 
 from flashdraft.model.dflash2 import is_dflash2
 from flashdraft.model.drafter import DFlashDrafter
+from flashdraft.model.dspark import is_dspark
 from flashdraft.model.objective import acceptance_length, block_attention_mask
 from flashdraft.model.target import Target
 
@@ -29,6 +30,8 @@ class Decoded:
     tokens: list[int]
     accepted: list[int] = field(default_factory=list)  # drafts accepted at each verify step (0..K−1)
     seconds: float = 0.0
+    proposed: list[int] = field(default_factory=list)  # DSpark: drafts sent for verification at each step
+    confidence: list[list[float]] = field(default_factory=list)  # DSpark: the head's σ(c_k) of every slot, a step
 
     @property
     def acceptance_length(self) -> float:
@@ -134,6 +137,8 @@ class Decoding:
     position: int
     tokens: list[int]
     accepted: list[int] = field(default_factory=list)
+    proposed: list[int] = field(default_factory=list)
+    confidence: list[list[float]] = field(default_factory=list)
 
     def emit(self, emitted: list[int]) -> list[int]:
         """A step's accepted drafts and the target's own next token, the new anchor."""
@@ -144,10 +149,18 @@ class Decoding:
 
 
 class SpecDecoder:
-    """Speculative decoding of one prompt at a time with a DFlash or DFlash2 drafter over the frozen target."""
+    """Speculative decoding of one prompt at a time with a DFlash, DFlash2 or DSpark drafter over the frozen target.
 
-    def __init__(self, target: Target, drafter: DFlashDrafter, stop_ids: set[int]) -> None:
+    DSpark: the block [anchor, MASK × (K − 1)] drafts K tokens (every slot predicts the token after its position),
+    walked left to right through the Markov head. With `confidence_threshold` the block sent for verification stops
+    where the confidence head says to: `first`, at the first slot whose σ(c_k) is below the threshold (DeepSpec's
+    evaluator, llama.cpp's `--spec-draft-p-min`), or `product`, where the running product Π σ(c_j) falls below it
+    (vLLM, SGLang)."""
+
+    def __init__(self, target: Target, drafter: DFlashDrafter, stop_ids: set[int],
+                 confidence_threshold: float | None = None, confidence_rule: str = "first") -> None:
         self.target, self.drafter, self.stop_ids = target, drafter.eval(), stop_ids
+        self.confidence_threshold, self.confidence_rule = confidence_threshold, confidence_rule
         target.watch(drafter.target_layer_ids)
         self.embed = target.model.get_input_embeddings()
         self.lm_head = target.lm_head
@@ -179,7 +192,7 @@ class SpecDecoder:
             if self.stop_ids & set(self.step(state, temperature, sampler)):
                 break
         tokens = until_stop(state.tokens, self.stop_ids)[:max_new_tokens]
-        return Decoded(tokens, state.accepted, time.perf_counter() - started)
+        return Decoded(tokens, state.accepted, time.perf_counter() - started, state.proposed, state.confidence)
 
     def start(self, prompt_ids: list[int], temperature: float, sampler: Sampler) -> Decoding:
         """The prompt through the target (its cache and the drafter's context filled) and the first token."""
@@ -198,14 +211,18 @@ class SpecDecoder:
         positions = torch.arange(state.position, state.position + k, device=device)[None]
         hidden = self.drafter.decode(self.embed(block), positions, self._masks(state.position, device),
                                      ctx_kv=state.ctx_kv)
-        drafts, q = self._draft(hidden[0], state.anchor, temperature, sampler)
-        block[0, 1:] = drafts
-        snapshot = state.cache.snapshot(k)
+        if is_dspark(self.drafter):
+            drafts, q = self._draft_dspark(hidden[0], state, temperature, sampler)
+        else:
+            drafts, q = self._draft(hidden[0], state.anchor, temperature, sampler)
+        block = torch.cat([block[:, :1], drafts[None].to(block.dtype)], dim=1)  # [anchor, drafts]: verified
+        snapshot = state.cache.snapshot(block.shape[1])
         target_logits, features = self._target_pass(block, state.cache.cache)
         emitted = verify_drafts(drafts, q, target_logits[0], temperature, sampler)
         n = len(emitted) - 1
         state.cache.keep(block, n + 1, snapshot, self._target_pass)  # the anchor and the accepted drafts
-        new_kv = self.drafter.context_kv(features[:, : n + 1], positions[:, : n + 1])
+        accepted_positions = torch.arange(state.position, state.position + n + 1, device=device)[None]
+        new_kv = self.drafter.context_kv(features[:, : n + 1], accepted_positions)
         state.ctx_kv = [(torch.cat([k0, k1], dim=2), torch.cat([v0, v1], dim=2))
                         for (k0, v0), (k1, v1) in zip(state.ctx_kv, new_kv, strict=True)]
         return state.emit(emitted)
@@ -230,6 +247,43 @@ class SpecDecoder:
         q = torch.zeros(logits.shape, dtype=torch.float32, device=logits.device)
         q.scatter_(1, candidates, torch.softmax(scores.float() / temperature, dim=-1))
         return drafts, q
+
+
+    def _draft_dspark(self, hidden_KD, state: Decoding, temperature: float, sampler: Sampler):
+        """DSpark's K drafts, walked through the Markov head from the anchor (at T > 0 each drawn from its
+        Markov-corrected distribution, which is then the q it is verified against: the walk is a chain of exact
+        conditional draws, so rejection sampling stays lossless), cut where the confidence rule says."""
+        base = hidden_KD.to(self.draft_head.dtype) @ self.draft_head.T
+
+        def pick(logits):
+            if temperature <= 0:
+                return logits.argmax(-1)
+            return sampler.token(torch.softmax(logits.float() / temperature, dim=-1))
+
+        drafts, rows, confidence = self.drafter.walk(base, hidden_KD, state.anchor, pick)
+        length = len(drafts)
+        if confidence is not None:
+            values = confidence.float().tolist()
+            state.confidence.append(values)
+            if self.confidence_threshold is not None:
+                length = proposal_length(values, self.confidence_threshold, self.confidence_rule)
+        state.proposed.append(length)
+        drafts, rows = drafts[:length], rows[:length]
+        if temperature <= 0:
+            return drafts, None
+        rows = self.drafter.to_target_vocab(rows, self.target.config.vocab_size)
+        return drafts, torch.softmax(rows.float() / temperature, dim=-1)
+
+
+def proposal_length(confidence: list[float], threshold: float, rule: str) -> int:
+    """How many of a block's drafts go to verification: `first`, up to the first slot whose confidence is below
+    the threshold; `product`, up to where the running product of the confidences falls below it."""
+    running = 1.0
+    for slot, c in enumerate(confidence):
+        running = running * c if rule == "product" else c
+        if running < threshold:
+            return slot
+    return len(confidence)
 
 
 def until_stop(tokens: list[int], stop_ids: set[int]) -> list[int]:

@@ -62,6 +62,36 @@ def summarize(per_prompt: list[dict], block_size: int, cfg: EvalConfig) -> dict[
     return report
 
 
+def dspark_summary(per_prompt: list[dict], block_size: int, cfg: EvalConfig) -> dict[str, Any]:
+    """DSpark's own figures: the mean number of drafts sent for verification a step, and — with a confidence head —
+    its calibration by slot (the mean σ(c_k) it gave a slot that verification reached, beside how often that
+    slot's draft was then accepted). With `eval.confidence_threshold`, the same for the blocks uncut, beside τ."""
+    def figures(accepted_key: str, proposed_key: str, confidence_key: str) -> dict[str, Any]:
+        steps = [(n, m) for r in per_prompt for n, m in zip(r[accepted_key], r[proposed_key], strict=True)]
+        predicted, reached, taken = [0.0] * block_size, [0] * block_size, [0] * block_size
+        for r in per_prompt:
+            for n, m, values in zip(r[accepted_key], r[proposed_key], r[confidence_key], strict=False):
+                for slot in range(min(m, len(values))):
+                    if n >= slot:  # every draft before this slot was accepted: verification judged this one
+                        reached[slot] += 1
+                        predicted[slot] += values[slot]
+                        taken[slot] += n > slot
+        return {
+            "acceptance_length": round(acceptance_length([n for n, _ in steps]), 4),
+            "mean_proposed": round(sum(m for _, m in steps) / len(steps), 4) if steps else None,
+            "calibration_by_slot": [{"slot": k, "reached": reached[k],
+                                     "confidence": round(predicted[k] / reached[k], 4) if reached[k] else None,
+                                     "accepted": round(taken[k] / reached[k], 4) if reached[k] else None}
+                                    for k in range(block_size)] if any(r[confidence_key] for r in per_prompt) else None,
+        }
+
+    out = {"threshold": cfg.confidence_threshold, "rule": cfg.confidence_rule if cfg.confidence_threshold else None,
+           **figures("accepted", "proposed", "confidence")}
+    if cfg.confidence_threshold is not None:
+        out["uncut"] = figures("accepted_uncut", "proposed_uncut", "confidence_uncut")
+    return out
+
+
 def markdown_report(report: dict[str, Any]) -> str:
     """The per-dataset τ table (report.md, and what eval prints), with what it was measured under."""
     cfg = report["config"]
@@ -82,9 +112,34 @@ def markdown_report(report: dict[str, Any]) -> str:
         lines.append(f"| {name} | {block['prompts']} | {block['acceptance_length']:.2f} | "
                      f"{block['acceptance_length_mean_per_turn']:.2f} | {positions} | {block['speedup']:.2f}× | "
                      f"{lossless[block['lossless']]} |")
+    if "dspark" in report:
+        lines += ["", *dspark_table(report["dspark"])]
     for engine in report.get("engines", {}).values():
         lines += ["", *engine_table(engine, report)]
     return "\n".join(lines) + "\n"
+
+
+def dspark_table(dspark: dict[str, Any]) -> list[str]:
+    """DSpark: drafts sent a step and τ, with the confidence cut and without; the head's calibration by slot."""
+    runs = [("uncut" if dspark["threshold"] is None else f"cut at {dspark['rule']} < {dspark['threshold']:g}",
+             dspark)]
+    if "uncut" in dspark:
+        runs.append(("uncut", dspark["uncut"]))
+    lines = ["DSpark blocks — drafts sent for verification a step, and τ", "", "| blocks | mean drafts sent | τ |",
+             "|---|---:|---:|"]
+    lines += [f"| {name} | {run['mean_proposed']:.2f} | {run['acceptance_length']:.2f} |" for name, run in runs]
+    calibration = (dspark.get("uncut") or dspark)["calibration_by_slot"]
+    if calibration:
+        lines += ["", "confidence head calibration (uncut blocks): mean confidence a slot was given, when verification "
+                  "reached it, beside how often it was accepted", "", "| slot | reached | confidence | accepted |",
+                  "|---:|---:|---:|---:|"]
+        lines += [f"| {row['slot']} | {row['reached']} | {_maybe(row['confidence'])} | {_maybe(row['accepted'])} |"
+                  for row in calibration]
+    return lines
+
+
+def _maybe(x: float | None) -> str:
+    return "—" if x is None else f"{x:.2f}"
 
 
 def engine_table(engine: dict[str, Any], report: dict[str, Any]) -> list[str]:

@@ -31,6 +31,15 @@ from flashdraft.errors import BadInput
 from flashdraft.model.dflash2 import SETTINGS as DFLASH2_SETTINGS
 from flashdraft.model.dflash2 import DFlash2Drafter, is_dflash2
 from flashdraft.model.drafter import DFlashDrafter
+from flashdraft.model.dspark import ARCHITECTURE as DSPARK_ARCHITECTURE
+from flashdraft.model.dspark import NATIVE_FIELDS as DSPARK_FIELDS
+from flashdraft.model.dspark import DSparkDrafter, is_dspark
+
+# DSpark architectures read as DeepSpec's Qwen3 drafter ("DSparkDraftModel" with a qwen3 config is vLLM's other name
+# for it), and what a native config may leave out: DeepSpec's own defaults.
+DSPARK_READS = (DSPARK_ARCHITECTURE, "DSparkDraftModel")
+DSPARK_DEFAULTS = {"num_anchors": 512, "markov_head_type": "vanilla", "enable_confidence_head": False,
+                   "confidence_head_with_markov": False, "sample_from_anchor": True}
 
 REQUIRED = ("block_size", "num_target_layers", "dflash_config")
 MODELING_FILE = Path(__file__).with_name("modeling_dflash.py")  # self-contained: torch + transformers only
@@ -46,7 +55,8 @@ def export_config(drafter: DFlashDrafter, dtype: str = "bfloat16") -> dict[str, 
     under both names; the transformers version that wrote it."""
     config = drafter.config.to_dict()
     rope = dict(config.get("rope_parameters") or {})
-    architecture = "DFlash2DraftModel" if is_dflash2(drafter) else "DFlashDraftModel"
+    architecture = ("DFlash2DraftModel" if is_dflash2(drafter) else
+                    DSPARK_ARCHITECTURE if is_dspark(drafter) else "DFlashDraftModel")
     config["architectures"] = [architecture]
     config["auto_map"] = {"AutoModel": f"{MODELING_FILE.stem}.{architecture}"}
     config["rope_theta"] = rope.get("rope_theta", 10_000.0)
@@ -60,6 +70,10 @@ def export_config(drafter: DFlashDrafter, dtype: str = "bfloat16") -> dict[str, 
     # default there.
     if is_dflash2(drafter):
         config["is_causal"] = False
+    if is_dspark(drafter):  # DeepSpec's native form: the draft fields at the top level only (dspark.py)
+        del config["dflash_config"]
+        missing = [key for key in DSPARK_FIELDS if key not in config]
+        assert not missing, missing
     return config
 
 
@@ -90,6 +104,14 @@ def load_drafter(path: str | Path, device: str | torch.device = "cpu", dtype=tor
     """Read a drafter exported by `save_drafter` or any z-lab DFlash checkpoint directory."""
     path = Path(path)
     raw = json.loads((path / "config.json").read_text())
+    dspark = raw.get("architectures", [None])[0] in DSPARK_READS
+    if dspark:  # DeepSpec's native config: the DFlash fields at the top level
+        if absent := [key for key in ("target_layer_ids", "mask_token_id", "markov_rank") if key not in raw]:
+            raise BadInput(f"{path}/config.json is a DSpark config without {', '.join(absent)}")
+        if raw.get("sample_from_anchor", True) is not True:
+            raise BadInput(f"{path}/config.json is a bonus-anchor DSpark export (sample_from_anchor: false): "
+                           "flashdraft decodes the anchor-first layout only")
+        raw["dflash_config"] = {"mask_token_id": raw["mask_token_id"], "target_layer_ids": raw["target_layer_ids"]}
     dflash = raw.get("dflash_config") or {}
     if "block_size" not in raw and "block_size" in dflash:  # a DFlash2 config may keep it in dflash_config only
         raw["block_size"] = dflash["block_size"]
@@ -107,7 +129,12 @@ def load_drafter(path: str | Path, device: str | torch.device = "cpu", dtype=tor
     config.block_size, config.num_target_layers = raw["block_size"], raw["num_target_layers"]
     config.dflash_config = raw["dflash_config"]
     config.draft_vocab_size = raw.get("draft_vocab_size")
-    drafter = DFlash2Drafter(config) if dflash2 else DFlashDrafter(config)
+    if dspark:
+        for key in DSPARK_FIELDS:
+            setattr(config, key, raw.get(key, DSPARK_DEFAULTS.get(key)))
+        drafter = DSparkDrafter(config)
+    else:
+        drafter = DFlash2Drafter(config) if dflash2 else DFlashDrafter(config)
     try:
         state = load_file(str(path / "model.safetensors"))
         state.pop("lm_head.weight", None)  # a reduced vocabulary's head rows: the target's, read from the target

@@ -164,6 +164,66 @@ class CandidateSelector(nn.Module):
         return candidates, unary.gather(-1, candidates).float() + pairwise.float()
 
 
+class MarkovHead(nn.Module):
+    """DSpark's sequential head: a low-rank logit bias from the token before each slot, added to the block's base
+    logits left to right after the one parallel pass. `markov_w1` embeds the previous token (target vocabulary,
+    V × r), `markov_w2` projects it to the draft vocabulary (r → V′). `gated` scales the embedding by a gate
+    from [hidden ; embedding]; `rnn` carries a recurrent state over the block's slots (DeepSpec's three types;
+    the engines serve `vanilla`)."""
+
+    def __init__(self, vocab_size: int, draft_vocab_size: int, rank: int, hidden_size: int, head_type: str) -> None:
+        super().__init__()
+        self.head_type, self.rank = head_type, rank
+        self.markov_w1 = nn.Embedding(vocab_size, rank)
+        self.markov_w2 = nn.Linear(rank, draft_vocab_size, bias=False)
+        if head_type == "gated":
+            self.gate_proj = nn.Linear(hidden_size + rank, rank)
+        elif head_type == "rnn":  # [state ; embedding ; hidden] → [gate ; candidate ; output]
+            self.joint_proj = nn.Linear(2 * rank + hidden_size, 3 * rank)
+
+    def embed(self, previous_ids: torch.Tensor) -> torch.Tensor:
+        return self.markov_w1(previous_ids.long())
+
+    def step(self, hidden: torch.Tensor, previous_ids: torch.Tensor, state: torch.Tensor | None = None):
+        """One slot: hidden (…, D), the token before it (…) and the recurrent state (`rnn`; zeros at the block's
+        first slot) → (the bias (…, V′), the next state)."""
+        embedding = self.embed(previous_ids).to(self.markov_w2.weight.dtype)
+        if self.head_type == "vanilla":
+            return self.markov_w2(embedding), state
+        hidden = hidden.to(embedding.dtype)
+        if self.head_type == "gated":
+            gate = torch.sigmoid(self.gate_proj(torch.cat([hidden, embedding], dim=-1)))
+            return self.markov_w2(gate * embedding), state
+        if state is None:
+            state = torch.zeros_like(embedding)
+        gate, candidate, output = self.joint_proj(torch.cat([state, embedding, hidden], dim=-1)).chunk(3, dim=-1)
+        gate = torch.sigmoid(gate)
+        state = gate * state + (1.0 - gate) * torch.tanh(candidate)
+        return self.markov_w2(torch.tanh(output)), state
+
+    def block_bias(self, hidden: torch.Tensor, previous_ids: torch.Tensor) -> torch.Tensor:
+        """Teacher-forced, as training runs it: hidden (N, K, D), the token before each slot (N, K) → (N, K, V′)."""
+        if self.head_type != "rnn":
+            return self.step(hidden, previous_ids)[0]
+        state, biases = None, []
+        for slot in range(hidden.shape[1]):
+            bias, state = self.step(hidden[:, slot], previous_ids[:, slot], state)
+            biases.append(bias)
+        return torch.stack(biases, dim=1)
+
+
+class ConfidenceHead(nn.Module):
+    """DSpark's estimate that a slot's draft is accepted: σ(w · [hidden ; markov_w1[previous]] + b), or from the
+    hidden state alone without `with_markov`. Returns the logit; the probability is its sigmoid."""
+
+    def __init__(self, input_dim: int) -> None:
+        super().__init__()
+        self.proj = nn.Linear(input_dim, 1)
+
+    def forward(self, features: torch.Tensor) -> torch.Tensor:
+        return self.proj(features.to(self.proj.weight.dtype)).squeeze(-1)
+
+
 def logit_transform(logits: torch.Tensor, multiplier: float, softcap: float) -> torch.Tensor:
     """The target's own scaling of its LM head output (DFlash2's `output_multiplier`, `final_logit_softcapping`)."""
     if multiplier != 1.0:
@@ -203,7 +263,14 @@ class DFlash2DecoderLayer(DFlashDecoderLayer):
 
 
 def _block_size(config) -> int:
-    return config.dflash_config.get("block_size") or config.block_size
+    return (getattr(config, "dflash_config", None) or {}).get("block_size") or config.block_size
+
+
+def _drafting(config) -> dict:
+    """The mask token and the watched target layers: in `dflash_config` (DFlash, DFlash2) or at the top level
+    (DSpark's native config, as DeepSpec writes it)."""
+    return getattr(config, "dflash_config", None) or {"mask_token_id": config.mask_token_id,
+                                                       "target_layer_ids": config.target_layer_ids}
 
 
 class DFlashDraftModel(Qwen3PreTrainedModel):
@@ -215,7 +282,7 @@ class DFlashDraftModel(Qwen3PreTrainedModel):
 
     def __init__(self, config: Qwen3Config) -> None:
         super().__init__(config)
-        dflash = config.dflash_config
+        dflash = _drafting(config)
         self.block_size = _block_size(config)
         self.mask_token_id = dflash["mask_token_id"]
         self.target_layer_ids = list(dflash["target_layer_ids"])
@@ -302,3 +369,58 @@ class DFlash2DraftModel(DFlashDraftModel):
             candidates.append(ids)
         q = torch.stack(distributions, dim=1) if distributions else None
         return torch.stack(path, dim=1), torch.stack(candidates, dim=1), q
+
+
+class Qwen3DSparkModel(DFlashDraftModel):
+    """DSpark (deepseek-ai/DeepSpec, 2026): the DFlash backbone over an anchor-first block — [anchor, mask × (K − 1)]
+    at positions p … p + K − 1, where every slot predicts the token after its own position, the anchor's
+    included — plus the Markov head (a low-rank bias from the token before each slot, applied left to right) and
+    the confidence head (the estimated chance each slot's draft is accepted). `forward` gives the K hidden
+    states; `propose` drafts the block from them as the engines do."""
+
+    def __init__(self, config: Qwen3Config) -> None:
+        super().__init__(config)
+        rank = int(getattr(config, "markov_rank", 0) or 0)
+        vocab = self.draft_vocab_size or config.vocab_size
+        self.markov_head = (MarkovHead(config.vocab_size, vocab, rank, config.hidden_size,
+                                       getattr(config, "markov_head_type", "vanilla")) if rank else None)
+        self.with_markov = bool(getattr(config, "confidence_head_with_markov", False)) and rank > 0
+        self.confidence_head = (ConfidenceHead(config.hidden_size + (rank if self.with_markov else 0))
+                                if getattr(config, "enable_confidence_head", False) else None)
+        self.post_init()  # again, now that the heads exist
+
+    def base_logits(self, hidden: torch.Tensor, output_head: nn.Module) -> torch.Tensor:
+        """The backbone's logits in the draft vocabulary (the target's head, or this model's own rows)."""
+        return self.lm_head(hidden) if self.draft_vocab_size else output_head(hidden)
+
+    def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
+        return draft_ids + self.d2t[draft_ids] if self.draft_vocab_size else draft_ids
+
+    @torch.no_grad()
+    def propose(self, hidden: torch.Tensor, anchor_ids: torch.Tensor, output_head: nn.Module,
+                temperature: float = 0.0):
+        """hidden (B, K, D) = every slot's row, anchor_ids (B), the target's output head, the temperature →
+        (drafts B × K as target ids, the Markov-corrected logits B × K × V′ each draft was picked from, and the
+        confidence σ(c_k) B × K or None). Slot k's bias comes from the token before it: the anchor for the first,
+        then the draft just picked (argmax at temperature 0, else a sample of softmax(logits / T))."""
+        base = self.base_logits(hidden, output_head)
+        previous, state, drafts, corrected, confidence = anchor_ids, None, [], [], []
+        for slot in range(hidden.shape[1]):
+            logits = base[:, slot]
+            if self.markov_head is not None:
+                bias, state = self.markov_head.step(hidden[:, slot], previous, state)
+                logits = logits + bias.to(logits.dtype)
+            if self.confidence_head is not None:
+                features = hidden[:, slot]
+                if self.with_markov:
+                    features = torch.cat([features, self.markov_head.embed(previous).to(features.dtype)], dim=-1)
+                confidence.append(torch.sigmoid(self.confidence_head(features).float()))
+            if temperature > 0:
+                picked = torch.multinomial(torch.softmax(logits.float() / temperature, dim=-1), 1).squeeze(-1)
+            else:
+                picked = logits.argmax(-1)
+            previous = self.to_target_ids(picked)
+            drafts.append(previous)
+            corrected.append(logits)
+        return (torch.stack(drafts, dim=1), torch.stack(corrected, dim=1),
+                torch.stack(confidence, dim=1) if confidence else None)

@@ -51,6 +51,26 @@ def build_blocks(input_ids_T, loss_mask_T, anchors_N, block_size: int, mask_toke
     return block_ids, positions, labels, weights
 
 
+DSPARK_GAMMA = 4.0  # DeepSpec's loss_decay_gamma, for its block sizes (7) and others alike
+
+
+def build_dspark_blocks(input_ids_T, loss_mask_T, anchors_N, block_size: int, mask_token_id: int,
+                        gamma: float | None = None, label_ids_T=None):
+    """DSpark's blocks (DeepSpec's layout): the same [anchor, MASK × (K−1)] at positions a … a+K−1, but slot k
+    predicts the token AT a + k + 1 — every slot, the anchor's included. Weights exp(−k/γ) (γ = 4 unless given),
+    kept only over the leading slots whose labels are all supervised (a slot after an unsupervised one is not
+    trained: decoding never reaches it). Anchors need their K labels inside the sequence (`sample_anchors` with
+    K + 1). Returns what `build_blocks` returns, labels of the same N × K shape."""
+    k = torch.arange(block_size)
+    positions = anchors_N[:, None] + k[None, :]
+    block_ids = torch.full_like(positions, mask_token_id)
+    block_ids[:, 0] = input_ids_T[anchors_N]
+    labels = (input_ids_T if label_ids_T is None else torch.as_tensor(label_ids_T).to(input_ids_T))[positions + 1]
+    supervised = torch.cumprod(loss_mask_T[positions + 1].int(), dim=1).float()
+    weights = torch.exp(-k.float() / (gamma or DSPARK_GAMMA))[None, :] * supervised
+    return block_ids, positions, labels, weights
+
+
 def block_attention_mask(anchors_N: torch.Tensor, block_size: int, context_len: int,
                          window: int | None = None) -> torch.Tensor:
     """allowed_SX (bool): block position s may attend key x, keys = [context 0..C−1, block positions 0..S−1].

@@ -52,6 +52,7 @@ from flashdraft.layout import CHECKPOINTS, DRAFTER
 from flashdraft.model.dflash2 import SETTINGS as DFLASH2_SETTINGS
 from flashdraft.model.dflash2 import DFlash2Drafter, dflash2_config, is_dflash2
 from flashdraft.model.drafter import DFlashDrafter, draft_config
+from flashdraft.model.dspark import DSparkDrafter, dspark_config, is_dspark
 from flashdraft.model.export import nonfinite_weights, save_drafter
 from flashdraft.model.objective import expected_acceptance_length
 from flashdraft.model.target import Target, attention_layers
@@ -276,6 +277,8 @@ def setup(cfg: TrainConfig, data: Path, out: Path, target_path: str, where: Plac
                               sliding_window=cfg.sliding_window)
         if cfg.architecture == "dflash2":
             drafter = DFlash2Drafter(dflash2_config(config, target.config, **dflash2_settings(cfg)))
+        elif cfg.architecture == "dspark":
+            drafter = DSparkDrafter(dspark_config(config, **dspark_settings(cfg)))
         else:
             drafter = DFlashDrafter(config)
         if cfg.init_from_target:
@@ -304,6 +307,11 @@ def dflash2_settings(cfg: TrainConfig) -> dict:
     return {name: getattr(cfg, name) for name in DFLASH2_SETTINGS}
 
 
+def dspark_settings(cfg: TrainConfig) -> dict:
+    return {"markov_rank": cfg.markov_rank, "markov_head": cfg.markov_head, "confidence_head": cfg.confidence_head,
+            "confidence_with_markov": cfg.confidence_with_markov, "num_anchors": cfg.max_anchors}
+
+
 def import_drafter(cfg: TrainConfig, target_config, say) -> DFlashDrafter:
     """An existing z-lab-format drafter (a published one, to fine-tune on your data), checked against the
     target: its shape, the target layers it reads and the vocabulary must be this target's. With
@@ -326,9 +334,10 @@ def import_drafter(cfg: TrainConfig, target_config, say) -> DFlashDrafter:
         mismatches.append(f"target layers {drafter.target_layer_ids} beyond its {target_config.num_hidden_layers}")
     if mismatches:
         raise BadTrainingInput(f"--init-from {path} was made for another target: {'; '.join(mismatches)}")
-    kind = "DFlash2" if is_dflash2(drafter) else "DFlash"
-    if cfg.architecture == "dflash" and is_dflash2(drafter):
-        raise BadTrainingInput(f"--init-from {path} is a DFlash2 drafter: set train.architecture: dflash2 to "
+    kind = "DFlash2" if is_dflash2(drafter) else "DSpark" if is_dspark(drafter) else "DFlash"
+    wanted = {"dflash": "DFlash", "dflash2": "DFlash2", "dspark": "DSpark"}[cfg.architecture]
+    if kind != "DFlash" and kind != wanted:
+        raise BadTrainingInput(f"--init-from {path} is a {kind} drafter: set train.architecture: {kind.lower()} to "
                                "train it further")
     say(f"train: starting from {path} ({kind}): {len(drafter.layers)} layers, block {drafter.block_size}, target "
         f"layers {drafter.target_layer_ids}, mask token {drafter.mask_token_id} (its settings, not train.num_layers "
@@ -337,6 +346,11 @@ def import_drafter(cfg: TrainConfig, target_config, say) -> DFlashDrafter:
         drafter = DFlash2Drafter.warm_start(drafter, target_config, **dflash2_settings(cfg))
         say("train: DFlash2 warm start: the DFlash drafter's weights as the backbone, convolutions and candidate "
             "selector at identity (it proposes what the DFlash drafter proposes until it trains)")
+    if cfg.architecture == "dspark" and not is_dspark(drafter):  # dspark_config refuses what it cannot take
+        drafter = DSparkDrafter.warm_start(drafter, **dspark_settings(cfg))
+        say("train: DSpark warm start: the DFlash drafter's weights as the backbone, the Markov head at zero and a "
+            "fresh confidence head (a DSpark slot predicts one position further than a DFlash one: the backbone "
+            "re-learns that)")
     return drafter
 
 
@@ -469,7 +483,8 @@ def prepare(cfg: TrainConfig, s: Setup, batch: list[int], epoch: int) -> list[Pl
         features = None if s.cache is None else [s.cache[index] for index in chunk]
         teachers = None if s.cache is None else [s.cache.teacher(index) for index in chunk]
         plans.append(plan_batch(s.target, [(rows[i]["input_ids"], rows[i]["loss_mask"]) for i in chunk], cfg, gens,
-                                s.drafter.block_size, features, teachers, s.drafter.mask_token_id))
+                                s.drafter.block_size, features, teachers, s.drafter.mask_token_id,
+                                from_anchor=is_dspark(s.drafter)))
     return plans
 
 

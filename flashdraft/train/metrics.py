@@ -28,12 +28,17 @@ def json_rates(rates: list[float]) -> list[float | None]:
 
 
 def selector_metrics(results: list[dict]) -> dict:
-    """DFlash2's own metrics over per-sequence step results (empty for DFlash): how often the label is among the
+    """DSpark's (the confidence head's mean estimate of acceptance and the mean overlap Σ min(p, q) it is fitted to)
+    or DFlash2's own metrics over per-sequence step results (empty for DFlash): how often the label is among the
     unary top-K′ (`unary_recall_at_k`: the selector cannot pick it otherwise), how often the selector picks it when
     it is (`selector_accuracy`), and the simulated τ of the unary argmax, beside the selector path's (which is
     `simulated_acceptance_length`, what decoding proposes)."""
     from flashdraft.model.objective import expected_acceptance_length
 
+    if results and "calibration" in results[0]:  # DSpark: the confidence head's mean estimate beside the truth
+        estimated, overlap, slots = (sum(r["calibration"][i] for r in results) for i in (0, 1, 2))
+        return {"confidence_mean": round(estimated / slots, 4) if slots else None,
+                "acceptance_overlap_mean": round(overlap / slots, 4) if slots else None}
     if not results or "recall" not in results[0]:
         return {}
     hits, supervised = (sum(r["recall"][i] for r in results) for i in (0, 1))

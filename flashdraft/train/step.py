@@ -17,10 +17,12 @@ from torch.profiler import record_function
 from flashdraft.config import TrainConfig
 from flashdraft.model.dflash2 import is_dflash2
 from flashdraft.model.drafter import DFlashDrafter
+from flashdraft.model.dspark import is_dspark
 from flashdraft.model.objective import (
     acceptance_length,
     block_masks,
     build_blocks,
+    build_dspark_blocks,
     dpace_weights,
     expected_acceptance_length,
     position_counts,
@@ -54,6 +56,10 @@ class Planned:
     teachers: list | None = None  # per live sequence: the target's top-k (ids, log-probs) after each position
     labels: list | None = None  # per live sequence (train.labels: target): the target's argmax at each position
     blocks: Blocks | None = None  # the drafter's input, when the plan was made knowing its mask token
+    # DSpark (online features): per live sequence, the target's last hidden state at every position its blocks
+    # cover — its next-token distribution there is what DSpark's L1 and confidence terms compare with
+    hidden: list | None = None
+    from_anchor: bool = False  # DSpark's layout: every slot predicts the token after its own position
 
 
 @dataclass
@@ -68,6 +74,7 @@ class Blocks:
 
 
 def build_batch_blocks(plan: Planned, k: int, mask_token_id: int, gamma: float | None) -> Blocks:
+    build = build_dspark_blocks if plan.from_anchor else build_blocks
     live = plan.live
     n_max = max(len(anchors) for *_, anchors in live)
     anchors_BN = torch.zeros(len(live), n_max, dtype=torch.long)
@@ -75,8 +82,8 @@ def build_batch_blocks(plan: Planned, k: int, mask_token_id: int, gamma: float |
     positions = torch.zeros(len(live), n_max, k, dtype=torch.long)
     targets = []
     for b, (_, ids_T, mask_T, anchors) in enumerate(live):
-        ids_b, pos_b, labels, weights = build_blocks(ids_T, mask_T, anchors, k, mask_token_id, gamma,
-                                                       label_ids_T=None if plan.labels is None else plan.labels[b])
+        ids_b, pos_b, labels, weights = build(ids_T, mask_T, anchors, k, mask_token_id, gamma,
+                                                label_ids_T=None if plan.labels is None else plan.labels[b])
         n = len(anchors)
         anchors_BN[b, :n], block_ids[b, :n], positions[b, :n] = anchors, ids_b, pos_b
         positions[b, n:] = torch.arange(k)  # padding blocks: any positions, they see only themselves
@@ -86,15 +93,18 @@ def build_batch_blocks(plan: Planned, k: int, mask_token_id: int, gamma: float |
 
 def plan_batch(target: Target, rows: list, cfg: TrainConfig, generators: list, block_size: int,
                features: list | None = None, teachers: list | None = None,
-               mask_token_id: int | None = None) -> Planned:
+               mask_token_id: int | None = None, from_anchor: bool = False) -> Planned:
     """Anchors of each sequence, and the target's features for the batch: from the cache (offline mode), or
     one target pass over the batch on a GPU (right padding: the target is causal, real positions are unchanged),
     one pass per sequence on a CPU. With `mask_token_id` (the drafter's), the blocks too, so the step itself
-    does no host work."""
+    does no host work. `from_anchor` (DSpark): an anchor needs a supervised token after it and its K labels
+    inside the sequence, and online the target's last hidden states over the blocks are kept (`Planned.hidden`)."""
     live = []
     for i, ((ids_T, mask_T), generator) in enumerate(zip(rows, generators, strict=True)):
         ids_T, mask_T = torch.as_tensor(ids_T[: cfg.max_length]).long(), torch.as_tensor(mask_T[: cfg.max_length])
-        anchors = sample_anchors(mask_T, block_size, cfg.max_anchors, generator)
+        # DSpark: anchors p with p and p + 1 supervised and p + K inside (DeepSpec's rule, blocks kept whole)
+        eligible = (mask_T[:-1].bool() & mask_T[1:].bool()) if from_anchor else mask_T
+        anchors = sample_anchors(eligible, block_size, cfg.max_anchors, generator)
         if len(anchors):
             live.append((i, ids_T, mask_T, anchors))
     if not live:
@@ -102,29 +112,34 @@ def plan_batch(target: Target, rows: list, cfg: TrainConfig, generators: list, b
     context_len = max(int(anchors.max()) for *_, anchors in live)  # no block sees a position at or after its anchor
     online = features is None or features[live[0][0]] is None
     want_labels = cfg.labels == "target"
-    # Target labels reach K − 1 positions past a sequence's last anchor; features are needed only before it.
-    beyond = block_size - 1 if want_labels else 0
+    # DSpark online: its L1 and confidence terms need the target's distribution at every block position
+    want_hidden = from_anchor and online and dspark_needs_target(cfg)
+    # Target labels reach K − 1 positions past a sequence's last anchor (DSpark: K); features are needed only
+    # before it.
+    beyond = (block_size if from_anchor else block_size - 1) if want_labels or want_hidden else 0
     reach = context_len + beyond
-    labels = None
+    labels = hidden = None
     if online and target.lm_head.weight.is_cuda:
         ids_BC = torch.zeros(len(live), reach, dtype=torch.long)
         for b, (_, ids_T, _, _) in enumerate(live):
             ids_BC[b, : min(reach, len(ids_T))] = ids_T[:reach]
-        features_BCF, labels_BC = target_pass(target, ids_BC, context_len, want_labels)
+        features_BCF, labels_BC, hidden_BTD = target_pass(target, ids_BC, context_len, want_labels, want_hidden)
         labels = None if labels_BC is None else [labels_BC[b] for b in range(len(live))]
+        hidden = None if hidden_BTD is None else [hidden_BTD[b] for b in range(len(live))]
     elif online:
         # On CPU the target is compute-bound and a padded batch is slower than its sequences one by one
         # (measured: 4 × ~2,000 tokens of SmolLM2, 15.9 s batched vs 12.7 s apart), so each runs alone.
-        passes = [target_pass(target, ids_T[None, : int(anchors.max()) + beyond], int(anchors.max()), want_labels)
-                  for _, ids_T, _, anchors in live]
-        features_BCF = torch.stack([_padded(f[0], context_len) for f, _ in passes])
-        labels = [lab[0] for _, lab in passes] if want_labels else None
+        passes = [target_pass(target, ids_T[None, : int(anchors.max()) + beyond], int(anchors.max()), want_labels,
+                              want_hidden) for _, ids_T, _, anchors in live]
+        features_BCF = torch.stack([_padded(f[0], context_len) for f, _, _ in passes])
+        labels = [lab[0] for _, lab, _ in passes] if want_labels else None
+        hidden = [h[0] for _, _, h in passes] if want_hidden else None
     else:  # a prefix of the whole sequence's cached features is the prefix's features
         features_BCF = torch.stack([_padded(features[i][:context_len], context_len) for i, *_ in live])
     kept = [teachers[i] for i, *_ in live] if teachers is not None and teachers[live[0][0]] is not None else None
     if want_labels and labels is None:  # offline: the cache's top-1 after position p − 1 is the target's label at p
         labels = [cached_labels(ids_T, teacher) for (_, ids_T, _, _), teacher in zip(live, kept, strict=True)]
-    plan = Planned(len(rows), live, context_len, features_BCF, kept, labels)
+    plan = Planned(len(rows), live, context_len, features_BCF, kept, labels, hidden=hidden, from_anchor=from_anchor)
     if mask_token_id is not None:
         plan.blocks = build_batch_blocks(plan, block_size, mask_token_id, cfg.loss_decay_gamma)
     return plan
@@ -136,18 +151,25 @@ def cached_labels(ids_T: torch.Tensor, teacher: tuple) -> torch.Tensor:
     return torch.cat([ids_T[:1], teacher[0][: len(ids_T) - 1, 0]])
 
 
+def dspark_needs_target(cfg: TrainConfig) -> bool:
+    """Whether DSpark's loss compares with the target's next-token distribution (its L1 or confidence term)."""
+    return cfg.dspark_l1_weight > 0 or (cfg.confidence_head and cfg.dspark_confidence_weight > 0)
+
+
 @torch.no_grad()
-def target_pass(target: Target, ids_BT: torch.Tensor, context_len: int, want_labels: bool):
-    """The target over `ids_BT`: its watched features before `context_len` (B × C × F), and with `want_labels`
-    its greedy label at every position up to T (B × (T + 1): at p, the argmax of its distribution after p − 1; at
-    0 the token itself). The LM head is applied a slice of positions at a time, never to B × T × V at once."""
+def target_pass(target: Target, ids_BT: torch.Tensor, context_len: int, want_labels: bool, want_hidden: bool = False):
+    """The target over `ids_BT`: its watched features before `context_len` (B × C × F); with `want_labels` its
+    greedy label at every position up to T (B × (T + 1): at p, the argmax of its distribution after p − 1; at 0 the
+    token itself); with `want_hidden` its last hidden state at every position (B × T × D, for DSpark's target
+    distributions). The LM head is applied a slice of positions at a time, never to B × T × V at once."""
     output, features = target.forward(ids_BT)
-    if not want_labels:
-        return features[:, :context_len], None
     hidden = output.last_hidden_state
+    kept = hidden if want_hidden else None
+    if not want_labels:
+        return features[:, :context_len], None, kept
     following = torch.cat([target.lm_head(hidden[:, i : i + 256]).argmax(-1) for i in range(0, hidden.shape[1], 256)],
                           dim=1).cpu()
-    return features[:, :context_len], torch.cat([ids_BT[:, :1].cpu(), following], dim=1)
+    return features[:, :context_len], torch.cat([ids_BT[:, :1].cpu(), following], dim=1), kept
 
 
 def batch_step(model, target: Target, rows: list, cfg: TrainConfig, generators: list, device,
@@ -165,7 +187,7 @@ def batch_step(model, target: Target, rows: list, cfg: TrainConfig, generators: 
     (`read=False` leaves that to the caller, which reads them with the step's loss and gradient norm)."""
     drafter: DFlashDrafter = getattr(model, "module", model)
     k = drafter.block_size
-    plan = planned or plan_batch(target, rows, cfg, generators, k, features, teachers)
+    plan = planned or plan_batch(target, rows, cfg, generators, k, features, teachers, from_anchor=is_dspark(drafter))
     results: list[dict | None] = [None] * plan.count
     if not plan.live:
         return results
@@ -192,12 +214,13 @@ def batch_step(model, target: Target, rows: list, cfg: TrainConfig, generators: 
         logits_BSV = drafter.unary_logits(to_device(to_device(hidden, head.device) @ head.T, device))
     with record_function("flashdraft.loss"):
         for b, (i, *_) in enumerate(live):
-            results[i] = sequence_result(drafter, cfg, plan, blocks, b, logits_BSV, hidden, device)
+            result = dspark_result if is_dspark(drafter) else sequence_result
+            results[i] = result(drafter, cfg, plan, blocks, b, logits_BSV, hidden, device, target)
     return read_results(results)[0] if read else results
 
 
 def sequence_result(drafter: DFlashDrafter, cfg: TrainConfig, plan: Planned, blocks: Blocks, b: int,
-                    logits_BSV: torch.Tensor, hidden: torch.Tensor, device) -> dict:
+                    logits_BSV: torch.Tensor, hidden: torch.Tensor, device, target: Target | None = None) -> dict:
     """Live sequence `b` of a micro-batch: its loss (with grad) and its stats, device tensors not yet read."""
     _, ids_T, _, anchors = plan.live[b]
     k = drafter.block_size
@@ -236,6 +259,84 @@ def sequence_result(drafter: DFlashDrafter, cfg: TrainConfig, plan: Planned, blo
             "counts": counts, "accepted": accepted, "tokens": int(ids_T.shape[0]), "anchors": n, **extra}
 
 
+def dspark_result(drafter, cfg: TrainConfig, plan: Planned, blocks: Blocks, b: int, logits_BSV: torch.Tensor,
+                  hidden: torch.Tensor, device, target: Target) -> dict:
+    """Live sequence `b` under DSpark's loss (DeepSpec loss.py): per slot k, weight w_k = exp(−k/γ) over the leading
+    supervised slots; the Markov-corrected logits (the token before each slot teacher-forced: the anchor, then
+    the labels) give CE against the label and an L1 distance Σ_v |p_v − q_v| to the target's next-token
+    distribution q there; the confidence head is fitted (BCE) to the overlap Σ_v min(p_v, q_v) = 1 − L1 / 2,
+    detached. Loss = ce_weight·CE + l1_weight·L1 + confidence_weight·BCE, each Σ·w, normalised as the DFlash loss
+    is (by Σ w over the whole optimizer step). Without the target's distribution (the serving walk's plans) only
+    the CE is computed. Stats as for DFlash, the slots counted as block positions 1 … K."""
+    _, ids_T, _, anchors = plan.live[b]
+    k = drafter.block_size
+    n = len(anchors)
+    labels, weights = (to_device(t, device) for t in blocks.targets[b])
+    anchor_ids = to_device(blocks.ids_BNK[b, :n, 0], device)
+    previous = torch.cat([anchor_ids[:, None], labels[:, :-1]], dim=1)  # the token before each slot, target ids
+    base = logits_BSV[b, : n * k].view(n, k, -1)
+    logits, confidence = drafter.block_logits(base, hidden[b, : n * k].view(n, k, -1), previous)
+    draft_labels, inside = drafter.draft_labels(labels)
+    hard = weights * inside
+    ce = torch.nn.functional.cross_entropy(logits.float().reshape(n * k, -1), draft_labels.reshape(-1).clamp(min=0),
+                                           reduction="none").view(n, k)
+    weighted = cfg.dspark_ce_weight * (ce * hard).sum()
+    extra = {}
+    q = target_distribution(drafter, plan, b, blocks.positions_BNK[b, :n], target, device)
+    if q is not None:
+        l1 = l1_distance(torch.softmax(logits.float(), dim=-1), q)
+        overlap = (1 - l1 / 2).clamp(0.0, 1.0).detach()  # Σ min(p, q): the chance the slot's draft is accepted
+        weighted = weighted + cfg.dspark_l1_weight * (l1 * weights).sum()
+        if confidence is not None:
+            bce = torch.nn.functional.binary_cross_entropy_with_logits(confidence, overlap, reduction="none")
+            weighted = weighted + cfg.dspark_confidence_weight * (bce * weights).sum()
+            with torch.no_grad():  # calibration: the head's mean estimate beside the mean overlap, supervised slots
+                live_slots = weights > 0
+                extra["calibration"] = torch.stack([torch.sigmoid(confidence)[live_slots].sum(),
+                                                    overlap[live_slots].sum(), live_slots.sum()])
+    with torch.no_grad():  # the slots as block positions 1 … K behind a given anchor column, as DFlash counts them
+        predicted = logits.argmax(-1)
+        zero = torch.zeros_like(predicted[:, :1])
+        predicted, draft_labels = torch.cat([zero, predicted], 1), torch.cat([zero, draft_labels], 1)
+        padded_weights = torch.cat([torch.zeros_like(weights[:, :1]), hard], 1)
+        counts = position_counts(predicted, draft_labels, padded_weights)
+        accepted = accepted_drafts(predicted, draft_labels, padded_weights)
+    weight = weights.sum()
+    return {"loss": weighted / weight.clamp(min=1e-8), "weighted_ce": weighted, "weight": weight, "counts": counts,
+            "accepted": accepted, "tokens": int(ids_T.shape[0]), "anchors": n, **extra}
+
+
+def target_distribution(drafter, plan: Planned, b: int, positions_NK: torch.Tensor, target: Target, device):
+    """The target's next-token distribution at each block slot (after position p + k), over the draft vocabulary
+    (N × K × V′, its mass outside it left out), or None when the plan holds none. Online: softmax of the target's
+    LM head on its kept last hidden states. Offline: the cache's top-k log-probabilities, renormalised (the mass
+    outside the top-k is taken as 0, DSpark's L1 on an offline cache is the top-k's)."""
+    if plan.hidden is not None:
+        hidden_TD = plan.hidden[b]
+        rows = hidden_TD[to_device(positions_NK, hidden_TD.device)]
+        with torch.no_grad():
+            full = torch.softmax(target.lm_head(rows).float(), dim=-1)
+        ids = drafter.draft_ids()
+        full = full if ids is None else full[..., to_device(ids, full.device)]
+        return to_device(full, device)
+    if plan.teachers is None:
+        return None
+    teacher_ids, teacher_logprobs = plan.teachers[b]
+    rows = positions_NK.reshape(-1)
+    ids = to_device(teacher_ids[rows], device)
+    probs = torch.softmax(to_device(teacher_logprobs[rows], device).float(), dim=-1)
+    ids, inside = drafter.draft_labels(ids)
+    vocab = drafter.draft_vocab_size or drafter.config.vocab_size
+    q = torch.zeros(rows.shape[0], vocab, device=device)
+    q.scatter_add_(1, ids.clamp(min=0), probs * inside)
+    return q.view(*positions_NK.shape, vocab)
+
+
+def l1_distance(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """Σ_v |p_v − q_v| over the draft vocabulary, plus the target's mass outside it (where p is 0)."""
+    return (p - q).abs().sum(-1) + (1 - q.sum(-1)).clamp(min=0)
+
+
 def _halves(v: list) -> list[float]:
     return rates_from_counts(v[: len(v) // 2], v[len(v) // 2 :])
 
@@ -248,6 +349,7 @@ READ_AS = {
     "accepted": ("accepted", lambda v: [int(x) for x in v]),
     "recall": ("recall", lambda v: (int(v[0]), int(v[1]))),
     "selector": ("selector", lambda v: (int(v[0]), int(v[1]))),
+    "calibration": ("calibration", lambda v: (float(v[0]), float(v[1]), int(v[2]))),
 }
 
 
@@ -360,24 +462,26 @@ def serving_walk(model, target: Target, ids_T, mask_T, cfg: TrainConfig, device,
     if teacher is not None and features_TF is not None:  # the offline cache holds both
         greedy_T = cached_labels(ids_T, teacher)
     else:  # one pass gives both: a prefix's features are the whole sequence's, the target being causal
-        features_1TF, labels_1T = target_pass(target, ids_T[None], len(ids_T), True)
+        features_1TF, labels_1T, _ = target_pass(target, ids_T[None], len(ids_T), True)
         greedy_T = labels_1T[0, : len(ids_T)]
         features_TF = features_1TF[0] if features_TF is None else features_TF
     # departs[q]: the first position ≥ q where the sequence is not the target's argmax (len(ids_T) if none)
     positions = torch.arange(len(ids_T))
     departed = torch.where(ids_T != greedy_T, positions, len(ids_T))
     departs = departed.flip(0).cummin(0).values.flip(0)
-    # Room for a last block that runs past the end: its labels there are unsupervised, so never accepted.
-    ids_pad = torch.cat([ids_T, ids_T.new_zeros(k - 1)])
-    mask_pad = torch.cat([mask_T, mask_T.new_zeros(k - 1)])
-    greedy_pad = torch.cat([greedy_T, greedy_T.new_zeros(k - 1)])
+    # Room for a last block that runs past the end: its labels there are unsupervised, so never accepted (K, for
+    # DSpark's slots, which reach one position further than DFlash's).
+    ids_pad = torch.cat([ids_T, ids_T.new_zeros(k)])
+    mask_pad = torch.cat([mask_T, mask_T.new_zeros(k)])
+    greedy_pad = torch.cat([greedy_T, greedy_T.new_zeros(k)])
     accepted: dict[int, int] = {}
     # Passes of at least 512 blocks (training's default anchor count, so no more memory than a GPU step): a CPU
     # run's few anchors a step would make the walk dozens of small passes.
     for chunk in candidates.split(max(cfg.max_anchors, 512)):
         context_len = int(chunk.max())
         plan = Planned(1, [(0, ids_pad, mask_pad, chunk)], context_len,
-                       _padded(features_TF[:context_len], context_len)[None], labels=[greedy_pad])
+                       _padded(features_TF[:context_len], context_len)[None], labels=[greedy_pad],
+                       from_anchor=is_dspark(drafter))
         result = batch_step(model, target, [], cfg, [], device, planned=plan)[0]
         trusted = (departs[chunk + 1] - chunk).tolist()  # drafts whose label is the target's token
         accepted.update((p, min(a, t)) for p, a, t in zip(chunk.tolist(), result["accepted"], trusted, strict=True))

@@ -16,6 +16,7 @@ import torch
 from flashdraft.evaluate.decode import Sampler, SpecDecoder
 from flashdraft.model.dflash2 import DFlash2Drafter, dflash2_config
 from flashdraft.model.drafter import DFlashDrafter, draft_config
+from flashdraft.model.dspark import DSparkDrafter, dspark_config
 from flashdraft.model.target import Target
 from tests.evaluate.test_targets import build
 
@@ -69,7 +70,17 @@ def tiny_target(tmp_path, kind: str) -> Target:
 
 def drafter_for(target: Target, architecture: str) -> DFlashDrafter:
     torch.manual_seed(1)
-    config = draft_config(target.config, num_layers=1, block_size=K, mask_token_id=VOCAB - 1)
+    # DSpark drafts every slot of its block: a block of K − 1 emits as many tokens a step as DFlash's of K
+    config = draft_config(target.config, num_layers=1, block_size=K - (architecture == "dspark"),
+                          mask_token_id=VOCAB - 1)
+    if architecture == "dspark":
+        drafter = DSparkDrafter(dspark_config(config, markov_rank=4, markov_head="vanilla", confidence_head=True,
+                                              num_anchors=8))
+        with torch.no_grad():  # a Markov head strong enough to change the drafts, a confidence head that cuts
+            for p in drafter.parameters():
+                p.add_(torch.randn_like(p) * (3.0 if p.shape[0] == VOCAB else 0.3))
+            drafter.confidence_head.proj.weight.mul_(10)
+        return drafter
     if architecture == "dflash2":
         config = dflash2_config(config, target.config, conv_kernel_size=2, conv_group_size=16, selector_rank=8,
                                 selector_top_k=3)  # 3 of 6 tokens: q is 0 for half the vocabulary
@@ -113,11 +124,49 @@ def stream_error(target: Target, decoder: SpecDecoder) -> float:
     return worst
 
 
-@pytest.mark.parametrize(("kind", "architecture"), [("qwen3", "dflash"), ("qwen3", "dflash2"), ("qwen3_5", "dflash2")])
+@pytest.mark.parametrize(("kind", "architecture"), [("qwen3", "dflash"), ("qwen3", "dflash2"), ("qwen3_5", "dflash2"),
+                                                  ("qwen3", "dspark")])
 def test_one_step_at_temperature_keeps_the_target_distribution_exactly(tmp_path, kind, architecture):
     target = tiny_target(tmp_path, kind)
     decoder = SpecDecoder(target, drafter_for(target, architecture), stop_ids=set())
     assert stream_error(target, decoder) < 1e-5
+
+
+@pytest.mark.parametrize("rule", ["first", "product"])
+def test_a_dspark_block_cut_at_its_confidence_keeps_the_target_distribution_exactly(tmp_path, rule):
+    """The cut depends on the drafts drawn before each slot, never on the slot's own: a stopping rule, so
+    verification stays lossless; and it does cut (fewer drafts sent than the block holds, in some outcomes)."""
+    target = tiny_target(tmp_path, "qwen3")
+    decoder = SpecDecoder(target, drafter_for(target, "dspark"), stop_ids=set(), confidence_threshold=0.5,
+                          confidence_rule=rule)
+    assert stream_error(target, decoder) < 1e-5
+    sent = set()
+
+    def one_step(sampler):
+        state = decoder.start(PROMPT, TEMPERATURE, sampler)
+        decoder.step(state, TEMPERATURE, sampler)
+        sent.add(state.proposed[-1])
+        return tuple(state.tokens)
+
+    with torch.inference_mode():
+        outcomes(one_step)
+    assert min(sent) < K - 1
+
+
+def test_checking_dspark_drafts_against_the_uncorrected_logits_is_caught(tmp_path, monkeypatch):
+    """The check has teeth for DSpark: verifying its drafts against softmax(base / T), without the Markov bias they
+    were drawn with, is not lossless."""
+    target = tiny_target(tmp_path, "qwen3")
+    drafter = drafter_for(target, "dspark")
+    decoder = SpecDecoder(target, drafter, stop_ids=set())
+    drawn = SpecDecoder._draft_dspark
+
+    def base_q(self, hidden_KD, state, temperature, sampler):
+        drafts, _ = drawn(self, hidden_KD, state, temperature, sampler)
+        return drafts, torch.softmax((hidden_KD @ self.draft_head.T).float() / temperature, dim=-1)
+
+    monkeypatch.setattr(SpecDecoder, "_draft_dspark", base_q)
+    assert stream_error(target, decoder) > 1e-3
 
 
 def test_checking_dflash2_drafts_against_the_unary_softmax_is_caught(tmp_path, monkeypatch):

@@ -1,0 +1,106 @@
+"""Training DSpark: a run from scratch (online and offline features), DeepSpec's loss and block layout, the warm
+start from a DFlash drafter, and the settings DSpark refuses."""
+
+import json
+
+import pytest
+import torch
+
+from flashdraft.artifact.manifest import verify_dir
+from flashdraft.config import ConfigError, load_config
+from flashdraft.model.dspark import DSparkDrafter
+from flashdraft.model.export import load_drafter
+from flashdraft.model.objective import build_dspark_blocks
+from flashdraft.train import BadTrainingInput, import_drafter, run
+from tests.train.test_recipe import drafter_weights, same_weights
+from tests.train.test_train import quiet, tiny_cfg
+
+DSPARK = dict(architecture="dspark", block_size=4, markov_rank=8)
+
+
+def test_a_dspark_block_predicts_the_token_after_each_slot_and_stops_at_the_first_unsupervised_label():
+    ids = torch.arange(100, 120)
+    mask = torch.ones(20, dtype=torch.long)
+    mask[9] = 0  # the label of the block at 5's slot 3 (position 9) is not supervised
+    blocks, positions, labels, weights = build_dspark_blocks(ids, mask, torch.tensor([2, 5]), 5, mask_token_id=7)
+    assert blocks.tolist() == [[102, 7, 7, 7, 7], [105, 7, 7, 7, 7]]
+    assert positions.tolist() == [[2, 3, 4, 5, 6], [5, 6, 7, 8, 9]]
+    assert labels.tolist() == [[103, 104, 105, 106, 107], [106, 107, 108, 109, 110]]  # one past each position
+    decay = torch.exp(-torch.arange(5.0) / 4.0)  # exp(−k/γ), γ = 4, the anchor's slot weighted 1
+    assert torch.allclose(weights[0], decay)
+    assert torch.allclose(weights[1], torch.cat([decay[:3], torch.zeros(2)]))  # slot 4 after it is dropped too
+
+
+def test_a_dspark_run_trains_exports_in_deepspecs_format_and_reports_its_heads(tiny_target, tiny_dataset, tmp_path):
+    out, lines = tmp_path / "run", []
+    stats = run(tiny_cfg(tiny_target, max_steps=4, **DSPARK), tiny_dataset, out, log=lines.append)
+    config = json.loads((out / "drafter" / "config.json").read_text())
+    assert config["architectures"] == ["Qwen3DSparkModel"] and "dflash_config" not in config
+    assert config["markov_rank"] == 8 and config["markov_head_type"] == "vanilla"
+    assert config["enable_confidence_head"] is True and config["confidence_head_with_markov"] is True
+    assert config["sample_from_anchor"] is True and config["block_size"] == 4
+    assert config["target_layer_ids"] and config["mask_token_id"] is not None
+    assert verify_dir(out / "drafter") == [] and type(load_drafter(out / "drafter")) is DSparkDrafter
+    logged = [row for row in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if "loss" in row]
+    assert logged and all(0 <= row["confidence_mean"] <= 1 and 0 <= row["acceptance_overlap_mean"] <= 1
+                          for row in logged)
+    assert len(logged[-1]["accuracy_by_position"]) == 4  # every slot drafts, the anchor's included
+    assert stats["heldout"]["serving_acceptance_length"] >= 1.0
+    rerun = []
+    run(tiny_cfg(tiny_target, max_steps=4, **DSPARK), tiny_dataset, out, log=rerun.append)
+    assert "already done, verified" in rerun[0]
+
+
+def test_dspark_trains_on_an_offline_cache_with_the_top_k_as_its_target(tiny_target, tiny_dataset, tmp_path):
+    stats = run(tiny_cfg(tiny_target, max_steps=2, features="offline", distill_topk=16, markov_head="rnn",
+                         **DSPARK), tiny_dataset, tmp_path / "offline", log=quiet)
+    assert stats["steps"] == 2 and load_drafter(tmp_path / "offline" / "drafter").markov_head_type == "rnn"
+
+
+def test_the_dspark_loss_does_not_depend_on_how_a_step_is_split(tiny_target, tiny_dataset, tmp_path):
+    cfg = tiny_cfg(tiny_target, batch_size=4, max_steps=2, export_dtype="float32", markov_head="gated", **DSPARK)
+    run(cfg.model_copy(update={"micro_batch": 4}), tiny_dataset, tmp_path / "four", log=quiet)
+    run(cfg.model_copy(update={"micro_batch": 1}), tiny_dataset, tmp_path / "one", log=quiet)
+    assert same_weights(drafter_weights(tmp_path / "four"), drafter_weights(tmp_path / "one"))
+
+
+def test_a_warm_start_takes_the_dflash_backbone_and_fresh_heads(tiny_target, tiny_dataset, tmp_path):
+    run(tiny_cfg(tiny_target, max_steps=2, block_size=4, export_dtype="float32"), tiny_dataset, tmp_path / "dflash",
+        log=quiet)
+    source = tmp_path / "dflash" / "drafter"
+    from transformers import AutoConfig
+
+    lines = []
+    warm = import_drafter(tiny_cfg(tiny_target, max_steps=2, init_from=str(source), **DSPARK),
+                          AutoConfig.from_pretrained(tiny_target), lines.append)
+    assert isinstance(warm, DSparkDrafter) and any("DSpark warm start" in line for line in lines)
+    dflash = load_drafter(source)
+    assert all(torch.equal(warm.state_dict()[name], tensor) for name, tensor in dflash.state_dict().items())
+    assert not warm.markov_head.markov_w2.weight.any()  # the bias starts at zero: the backbone's own drafts
+    stats = run(tiny_cfg(tiny_target, max_steps=2, init_from=str(source), **DSPARK), tiny_dataset,
+                tmp_path / "warm", log=quiet)
+    assert stats["steps"] == 2
+    with pytest.raises(BadTrainingInput, match="is a DSpark drafter: set train.architecture: dspark"):
+        import_drafter(tiny_cfg(tiny_target, init_from=str(tmp_path / "warm" / "drafter"), architecture="dflash2"),
+                       AutoConfig.from_pretrained(tiny_target), quiet)
+
+
+@pytest.mark.parametrize(("settings", "message"), [
+    ({"markov_rank": 0}, "markov_rank 0 has no Markov head"),
+    ({"loss": "dpace"}, "not D-PACE"),
+    ({"sliding_window": 32}, "sliding_window is not supported"),
+    ({"features": "offline"}, "set distill_topk"),
+])
+def test_settings_dspark_cannot_take_are_one_line_each(tmp_path, settings, message):
+    path = tmp_path / "c.yaml"
+    lines = ["train:", "  architecture: dspark", *(f"  {k}: {v}" for k, v in settings.items())]
+    path.write_text("\n".join(lines) + "\n")
+    with pytest.raises(ConfigError, match=message):
+        load_config(path)
+
+
+def test_dspark_settings_on_another_architecture_are_refused(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("train:\n  markov_rank: 64\n")
+    with pytest.raises(ConfigError, match="markov_rank does nothing here"):
+        load_config(path)
