@@ -278,6 +278,9 @@ class EvalConfig(Section):
     def one_engine_at_a_url(self) -> EvalConfig:
         if self.engine_url is not None and len(self.engines) != 1:
             raise ValueError("eval.engine_url is one server: name the one engine it runs (eval.engine)")
+        if self.engines and self.confidence_threshold is not None:
+            raise ValueError("eval.engine measures the engines on whole blocks (vLLM's and llama.cpp's confidence "
+                             "cuts are their own settings): drop confidence_threshold, or measure engines apart")
         self.refuse_unused("confidence_rule", self.confidence_threshold is not None,
                            "it says how confidence_threshold cuts a block, and no threshold is set")
         return self

@@ -83,6 +83,14 @@ def run(
 
         if cfg.temperature > 0:
             raise BadInput("eval.engine measures greedy acceptance: set eval.temperature 0")
+        from flashdraft.model.gguf_export import refuse_unservable
+
+        if refuse_unservable(json.loads((drafter_dir / "config.json").read_text()), drafter_dir) == "draft-dspark" \
+                and "vllm" in cfg.engines and cfg.engine_url is None and not torch.cuda.is_available():
+            # vLLM 0.32 drafts DSpark on its V2 GPU model runner only; its CPU build's V1 runner refuses it at start
+            raise BadInput("vLLM serves DSpark drafters on its GPU model runner only (its CPU build says \"Model "
+                           "Runner V1 does not support: dspark speculative decoding\"): measure with --engine llamacpp "
+                           "here, or with vLLM on a GPU host (--engine-url)")
         for engine in cfg.engines:
             log(f"eval: engine {check_engine(engine, cfg.engine_url, cfg.engine_python)}")
     target_path = resolve_model(target_ref or cfg.target, log=log)
@@ -204,7 +212,8 @@ def run(
             if cfg.engines:  # the engines' logs are part of the report: what each said while it served
                 passes = sum(len(p["accepted"]) for p in per_prompt)  # eval's verify passes: what could draft
                 report["engines"] = {engine: engine_report(cfg, engine, prompts, render, target_path, drafter_dir,
-                                                           drafter.block_size, report, passes, building, log)
+                                                           drafter.block_size, report, passes, building, log,
+                                                           is_dspark(drafter))
                                      for engine in cfg.engines}
                 stats["engines"] = {engine: {k: v for k, v in served.items() if k != "by_dataset"}
                                     for engine, served in report["engines"].items()}
@@ -234,7 +243,7 @@ def run(
 
 def engine_report(cfg: EvalConfig, name: str, prompts: list, render: Callable, target_path: str, drafter_dir: Path,
                   block_size: int, report: dict[str, Any], passes: int, logs: Path,
-                  log: Callable[[str], None]) -> dict[str, Any]:
+                  log: Callable[[str], None], dspark: bool = False) -> dict[str, Any]:
     """The engine's τ on the same prompts and token budget (greedy; a later turn after the engine's own answer),
     beside eval's own, per dataset."""
     from flashdraft.evaluate.engines import measure
@@ -244,7 +253,8 @@ def engine_report(cfg: EvalConfig, name: str, prompts: list, render: Callable, t
     log(f"eval: measuring τ in {name} on the same {len(prompts)} prompts")
     engine = measure(name, turns, render, target_dir=Path(target_path), drafter_dir=drafter_dir,
                      block_size=block_size, max_new_tokens=cfg.max_new_tokens, longest_prompt=longest, logs=logs,
-                     url=cfg.engine_url, python=cfg.engine_python, baseline=cfg.engine_baseline, log=log)
+                     url=cfg.engine_url, python=cfg.engine_python, baseline=cfg.engine_baseline,
+                     dspark=dspark, log=log)
     tau = (engine["overall"] or {}).get("acceptance_length")
     engine["flashdraft_acceptance_length"] = report["acceptance_length"]
     if tau is None:

@@ -105,16 +105,18 @@ def free_port() -> int:
 
 
 def vllm_command(python: Path, target_dir: Path, drafter_dir: Path | None, block_size: int, port: int,
-                 max_model_len: int) -> list[str]:
+                 max_model_len: int, dspark: bool = False) -> list[str]:
     """vLLM's OpenAI server on loopback: float32 (as eval decodes on a CPU), eager (no minutes of compiling), the
     drafter as `method: dflash` with block_size − 1 speculative tokens (one bonus query and K mask queries: the
-    drafter's block). `python -m …api_server`: the CPU build's `vllm` entry point looks for a distribution named
-    vllm."""
+    drafter's block), or a DSpark drafter as `method: dspark` with block_size tokens (every slot of its
+    anchor-first block drafts). `python -m …api_server`: the CPU build's `vllm` entry point looks for a
+    distribution named vllm."""
     command = [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(target_dir),
                "--served-model-name", SERVED_NAME, "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32",
                "--enforce-eager", "--max-model-len", str(max_model_len), "--max-num-seqs", "1", "--seed", "0"]
     if drafter_dir is not None:
-        spec = {"method": "dflash", "model": str(drafter_dir), "num_speculative_tokens": block_size - 1}
+        spec = {"method": "dspark" if dspark else "dflash", "model": str(drafter_dir),
+                "num_speculative_tokens": drafts_per_step(block_size, dspark)}
         command += ["--speculative-config", json.dumps(spec)]
     return command
 
@@ -283,20 +285,30 @@ def check_engine(engine: str, url: str | None, python: str | None) -> str:
     return f"{engine}: {program}"
 
 
+def drafts_per_step(block_size: int, dspark: bool) -> int:
+    """Tokens a block drafts: K − 1 for DFlash (the anchor is given), K for DSpark (its anchor slot drafts too)."""
+    return block_size if dspark else block_size - 1
+
+
 def llamacpp_command(server: Path, target_gguf: Path, drafter_gguf: Path | None, block_size: int, port: int,
-                     context: int) -> list[str]:
-    """llama-server on loopback with the drafter as `draft-dflash`, block_size − 1 drafted tokens a step, one
+                     context: int, dspark: bool = False) -> list[str]:
+    """llama-server on loopback with the drafter as `draft-dflash` (block_size − 1 drafted tokens a step) or
+    `draft-dspark` (block_size, the blocks uncut: `--spec-draft-p-min 0` leaves its confidence head unread), one
     thread (a shared 2-core machine; with and without the drafter alike)."""
     command = [str(server), "-m", str(target_gguf), "--host", "127.0.0.1", "--port", str(port), "-c", str(context),
                "-t", "1", "-np", "1", "--seed", "0"]
     if drafter_gguf is not None:
-        command += ["-md", str(drafter_gguf), "--spec-type", "draft-dflash", "--spec-draft-n-max", str(block_size - 1)]
+        command += ["-md", str(drafter_gguf), "--spec-type", "draft-dspark" if dspark else "draft-dflash",
+                    "--spec-draft-n-max", str(drafts_per_step(block_size, dspark))]
+        if dspark:
+            command += ["--spec-draft-p-min", "0"]
     return command
 
 
 def measure(engine: str, turns: Turns, render: Callable, *, target_dir: Path, drafter_dir: Path, block_size: int,
             max_new_tokens: int, longest_prompt: int, logs: Path, url: str | None = None,
-            python: str | None = None, baseline: bool = True, log: Callable[[str], None] = print) -> dict[str, Any]:
+            python: str | None = None, baseline: bool = True, dspark: bool = False,
+            log: Callable[[str], None] = print) -> dict[str, Any]:
     """The engine's τ, acceptance by position (vLLM counts it) and tokens/s on `turns`: on the server at `url`, or
     on one started here with the drafter (and, with `baseline`, once more without it, for tokens/s without
     speculation). llama.cpp serves GGUF files: the drafter and the target are converted first (export_gguf, in
@@ -310,9 +322,11 @@ def measure(engine: str, turns: Turns, render: Callable, *, target_dir: Path, dr
 
     def command(with_drafter: bool, port: int) -> list[str]:
         if engine == "vllm":
-            return vllm_command(program, target_dir, drafter_dir if with_drafter else None, block_size, port, context)
+            return vllm_command(program, target_dir, drafter_dir if with_drafter else None, block_size, port, context,
+                                dspark)
         return llamacpp_command(program, gguf / gguf_stats["target_file"],
-                                gguf / gguf_stats["drafter_file"] if with_drafter else None, block_size, port, context)
+                                gguf / gguf_stats["drafter_file"] if with_drafter else None, block_size, port, context,
+                                dspark)
 
     if engine == "llamacpp":
         from flashdraft.artifact.manifest import sha256_json

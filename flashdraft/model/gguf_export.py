@@ -53,6 +53,22 @@ def convert(model_dir: Path, outfile: Path, outtype: str, target_dir: Path | Non
         raise ExpectedFailure(f"llama.cpp's converter refused {model_dir}: {reason[:300]}")
 
 
+def refuse_unservable(config: dict, drafter_dir: Path) -> str:
+    """llama.cpp's speculative type for this drafter (`draft-dspark` for a DSpark one, else `draft-dflash`); a DSpark
+    Markov head llama.cpp cannot run (gated, rnn: its graph has the vanilla bias only) is refused before any
+    work, not converted into a file that would be misread."""
+    from flashdraft.model.dspark import ENGINE_HEAD_TYPES
+    from flashdraft.model.export import DSPARK_READS
+
+    if config.get("architectures", [None])[0] not in DSPARK_READS:
+        return "draft-dflash"
+    head = config.get("markov_head_type", "vanilla")
+    if config.get("markov_rank") and head not in ENGINE_HEAD_TYPES:
+        raise BadInput(f"{drafter_dir} has a {head} Markov head; llama.cpp (and vLLM) serve vanilla only: train "
+                       "with train.markov_head: vanilla to serve it there")
+    return "draft-dspark"
+
+
 def export_gguf(drafter_dir: Path, target_ref: str, out: Path, *, outtype: str = "bf16",
                 log: Callable[[str], None] = print) -> dict[str, Any]:
     from flashdraft.model.resolve import resolve_model
@@ -74,11 +90,13 @@ def export_gguf(drafter_dir: Path, target_ref: str, out: Path, *, outtype: str =
     if (drafter_dir / "manifest.json").exists():
         require_verified(drafter_dir, "drafter", "re-export it (rerun `flashdraft train`) or pull it again")
     config = json.loads((drafter_dir / "config.json").read_text())
+    spec_type = refuse_unservable(config, drafter_dir)
     stats = {"format": "gguf", "outtype": outtype, "target": target, "drafter_file": DRAFTER_FILE,
-             "target_file": f"target-{outtype}.gguf", "draft_vocab_size": config.get("draft_vocab_size")}
+             "target_file": f"target-{outtype}.gguf", "draft_vocab_size": config.get("draft_vocab_size"),
+             "spec_type": spec_type}
     with commit_dir(out, "drafter", stats=stats, lineage=lineage) as tmp:
         convert(drafter_dir, tmp / DRAFTER_FILE, outtype, Path(target), log)
         convert(Path(target), tmp / stats["target_file"], outtype, log=log)
     log(f"export: {out / DRAFTER_FILE} and {out / stats['target_file']} written by llama.cpp's converter; serve "
-        f"them with llama-server -m {stats['target_file']} -md {DRAFTER_FILE} --spec-type draft-dflash")
+        f"them with llama-server -m {stats['target_file']} -md {DRAFTER_FILE} --spec-type {spec_type}")
     return stats

@@ -42,20 +42,24 @@ PROMPTS = ["Tell me about cats.", "Name three colours.", "What is a river?", "Ho
 DRAFT_VOCAB = 2048  # a reduced vocabulary: the layout each engine must read (vLLM: d2t offsets; llama.cpp: I64 ids)
 
 
-def agreeing_drafter(target_dir: str, tokenizer, steps: int):
+def agreeing_drafter(target_dir: str, tokenizer, steps: int, dspark: bool = False):
     """A one-layer, block-4 drafter over a 2,048-token draft vocabulary, trained a little on the target's own greedy
     answers to PROMPTS: it accepts a few dozen drafts on them, where an engine that misreads the export (layer ids,
-    mask token, block layout, the draft vocabulary's mapping) accepts next to none."""
+    mask token, block layout, the draft vocabulary's mapping) accepts next to none. `dspark`: a DSpark drafter
+    (a vanilla Markov head of rank 16 and a confidence head), trained with DeepSpec's loss."""
     from flashdraft.config import TrainConfig
     from flashdraft.evaluate.decode import target_only
     from flashdraft.model.drafter import DFlashDrafter, draft_config
+    from flashdraft.model.dspark import DSparkDrafter, dspark_config
     from flashdraft.model.target import Target
     from flashdraft.train.step import sequence_step
 
     target = Target(target_dir, "cpu", lambda line: None)
     torch.manual_seed(0)
-    drafter = DFlashDrafter(draft_config(target.config, num_layers=1, block_size=4, draft_vocab_size=DRAFT_VOCAB,
-                                         mask_token_id=tokenizer.vocab_size - 1))
+    config = draft_config(target.config, num_layers=1, block_size=4, draft_vocab_size=DRAFT_VOCAB,
+                          mask_token_id=tokenizer.vocab_size - 1)
+    drafter = (DSparkDrafter(dspark_config(config, markov_rank=16, markov_head="vanilla", confidence_head=True,
+                                           num_anchors=64)) if dspark else DFlashDrafter(config))
     target.watch(drafter.target_layer_ids)
     sequences = []
     for text in PROMPTS:
@@ -70,7 +74,8 @@ def agreeing_drafter(target_dir: str, tokenizer, steps: int):
     others = torch.tensor([i for i in range(target.config.vocab_size) if i not in used])
     drafter.set_draft_vocab(torch.cat([seen, others[: DRAFT_VOCAB - len(seen)]]))
     optimizer = torch.optim.AdamW(drafter.parameters(), lr=5e-3)
-    cfg = TrainConfig(block_size=4, max_anchors=64, max_length=4096, draft_vocab_size=DRAFT_VOCAB)
+    cfg = TrainConfig(block_size=4, max_anchors=64, max_length=4096, draft_vocab_size=DRAFT_VOCAB,
+                      architecture="dspark" if dspark else "dflash")
     for step in range(steps):
         for full, mask in sequences:
             generator = torch.Generator().manual_seed(step)
@@ -146,3 +151,77 @@ def test_the_gguf_export_is_a_verified_artifact_with_the_draft_vocabulary_as_tar
     d2t = next(t for t in GGUFReader(out / "drafter.gguf").tensors if t.name == "d2t")
     offsets = load_file(drafter_dir / "model.safetensors")["d2t"]
     assert d2t.data.tolist() == (offsets + torch.arange(len(offsets))).tolist()  # absolute target ids
+
+
+@pytest.fixture(scope="module")
+def dspark_export(tmp_path_factory, smollm2_dir):
+    """A DSpark drafter (vanilla Markov head, confidence head, the same draft vocabulary), trained as above and
+    exported in DeepSpec's native format, and the prompts."""
+    from transformers import AutoTokenizer
+
+    from flashdraft.model.export import save_drafter
+
+    where = tmp_path_factory.mktemp("dspark")
+    drafter, head = agreeing_drafter(smollm2_dir, AutoTokenizer.from_pretrained(smollm2_dir), steps=60, dspark=True)
+    save_drafter(drafter, where / "drafter", target_lm_head=head)
+    prompts = where / "p.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": text}) + "\n" for text in PROMPTS))
+    return where / "drafter", prompts
+
+
+@pytest.mark.slow
+@needs_llamacpp
+def test_llamacpp_serves_a_dspark_export_and_accepts_what_eval_accepts(tmp_path, smollm2_dir, dspark_export):
+    """llama.cpp's `draft-dspark` on the native export (converted by its own DSpark class, the Markov head in its
+    graph): K drafts a step, the anchor's slot included, and eval's accepted drafts within a tenth."""
+    from flashdraft.config import EvalConfig
+    from flashdraft.evaluate import run
+
+    drafter_dir, prompts = dspark_export
+    out = tmp_path / "eval"
+    cfg = EvalConfig(prompts=str(prompts), target=smollm2_dir, max_new_tokens=48, engine="llamacpp",
+                     engine_baseline=False)
+    stats = run(cfg, drafter_dir, out, log=print)
+    report = json.loads((out / "report.json").read_text())
+    steps = [p["accepted"] for p in report["prompts"]]
+    accepted, passes = sum(map(sum, steps)), sum(map(len, steps))
+    assert stats["lossless"] is True and accepted >= 5, (accepted, passes)
+    assert report["dspark"]["mean_proposed"] == 4.0  # uncut: every slot of the block of 4 is sent
+    served = stats["engines"]["llamacpp"]["overall"]
+    assert abs(served["accepted_tokens"] - accepted) <= max(2, accepted // 10), (served, accepted)
+    assert abs(served["drafts"] - passes) <= 3, (served, passes)
+    assert served["draft_tokens"] > 3 * served["drafts"]  # more than DFlash's K − 1 a step: the anchor slot drafts
+    assert abs(served["acceptance_length"] - stats["acceptance_length"]) <= 0.1
+
+
+@pytest.mark.slow
+@needs_llamacpp
+def test_a_markov_head_the_engines_cannot_run_is_refused_before_any_work(cli, tmp_path, smollm2_dir, dspark_export):
+    drafter_dir, prompts = dspark_export
+    gated = tmp_path / "gated"
+    gated.mkdir()
+    config = json.loads((drafter_dir / "config.json").read_text())
+    (gated / "config.json").write_text(json.dumps({**config, "markov_head_type": "gated"}))
+    run = cli("export", "--format", "gguf", "--drafter", str(gated), "--target", smollm2_dir, "--out",
+              str(tmp_path / "g"))
+    assert run.returncode == 1 and "Traceback" not in run.stderr and "serve vanilla only" in run.stderr
+    assert not (tmp_path / "g").exists()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU host vLLM serves DSpark: nothing to refuse")
+def test_vllms_cpu_build_is_not_asked_to_serve_dspark(cli, tmp_path, smollm2_dir):
+    """vLLM drafts DSpark on its GPU model runner only: on a CPU, eval says so in one line before any work,
+    instead of starting vLLM for a minute to hear it refuse."""
+    from transformers import AutoConfig
+
+    from flashdraft.model.drafter import draft_config
+    from flashdraft.model.dspark import DSparkDrafter, dspark_config
+    from flashdraft.model.export import save_drafter
+
+    config = draft_config(AutoConfig.from_pretrained(smollm2_dir), num_layers=1, block_size=4, mask_token_id=0)
+    save_drafter(DSparkDrafter(dspark_config(config, markov_rank=4, markov_head="vanilla", confidence_head=True,
+                                             num_anchors=8)), tmp_path / "d")
+    run = cli("eval", "--drafter", str(tmp_path / "d"), "--target", smollm2_dir, "--out", str(tmp_path / "e"),
+              "--engine", "vllm", "--max-prompts", "1")
+    assert run.returncode == 1 and "Traceback" not in run.stderr
+    assert "GPU model runner only" in run.stderr and not (tmp_path / "e").exists()

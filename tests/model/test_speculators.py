@@ -215,3 +215,67 @@ torch.save(out, {str(tmp_path / 'out.pt')!r})
     anchors = torch.arange(0, n * k, k)
     _, _, _, decay = build_blocks(tokens, supervised.reshape(-1), anchors, k, mask_token_id=1, gamma=4.0)
     assert torch.allclose(theirs["decay"].reshape(n, k), decay, atol=1e-7)
+
+
+@pytest.mark.slow
+def test_speculators_dspark_heads_compute_what_flashdraft_exports(tmp_path, speculators_python):
+    """DSpark's heads, judged by an implementation that is not flashdraft's: speculators' own MarkovHead (each head
+    type) and ConfidenceHead, given flashdraft's exported tensors, the same backbone hidden states and the same
+    previous tokens, compute the same Markov-corrected logits and confidences to 1e-5, and walking the block with
+    their bias one slot at a time (the previous token = their own argmax) proposes flashdraft's greedy block."""
+    from flashdraft.model.dspark import DSparkDrafter, dspark_config
+
+    vocab, hidden_size, rank, k = 128, 64, 16, 5
+    config = AutoConfig.for_model("qwen3", vocab_size=vocab, hidden_size=hidden_size, intermediate_size=128,
+                                  num_hidden_layers=6, num_attention_heads=4, num_key_value_heads=2, head_dim=16)
+    torch.manual_seed(3)
+    hidden, base = torch.randn(2, k, hidden_size), torch.randn(2, k, vocab)
+    previous = torch.randint(0, vocab, (2, k))
+    torch.save({"hidden": hidden, "base": base, "previous": previous}, tmp_path / "in.pt")
+    ours = {}
+    for head in ("vanilla", "gated", "rnn"):
+        drafter = DSparkDrafter(dspark_config(draft_config(config, num_layers=1, block_size=k, mask_token_id=127),
+                                              markov_rank=rank, markov_head=head, confidence_head=True,
+                                              num_anchors=8))
+        with torch.no_grad():
+            for p in drafter.parameters():
+                p.add_(torch.randn_like(p) * 0.5)
+            corrected, confidence = drafter.block_logits(base, hidden, previous)
+            path, _, _ = drafter.walk(base[0], hidden[0], int(previous[0, 0]), lambda row: row.argmax())
+        ours[head] = (corrected, torch.sigmoid(confidence), path)
+        save_drafter(drafter, tmp_path / head, dtype="float32")
+    check = f"""
+import torch
+from safetensors.torch import load_file
+from speculators.models.dspark.model_definitions import ConfidenceHead, MarkovHead
+i, out = torch.load({str(tmp_path / 'in.pt')!r}), {{}}
+for head in ("vanilla", "gated", "rnn"):
+    w = load_file(f"{tmp_path}/{{head}}/model.safetensors")
+    markov = MarkovHead(verifier_vocab_size={vocab}, draft_vocab_size={vocab}, markov_rank={rank},
+                        hidden_size={hidden_size}, head_type=head)
+    markov.load_state_dict({{k.removeprefix("markov_head."): v for k, v in w.items() if k.startswith("markov_head.")}})
+    confidence = ConfidenceHead({hidden_size} + {rank})
+    confidence.load_state_dict({{k.removeprefix("confidence_head."): v for k, v in w.items()
+                                if k.startswith("confidence_head.")}})
+    with torch.no_grad():
+        emb = markov.prev_embeddings(i["previous"])
+        corrected = i["base"] + markov.block_bias(prev_token_ids=i["previous"], hidden_states=i["hidden"], prev_emb=emb)
+        conf = torch.sigmoid(confidence(torch.cat([i["hidden"], emb], dim=-1)))
+        # the greedy walk of block 0: each slot's bias from the token picked before it (teacher-forcing their own
+        # picks through block_bias, which for the rnn head replays the state from the block's start)
+        picked = [int(i["previous"][0, 0])]
+        for slot in range({k}):
+            prev = torch.tensor([picked + [0] * ({k} - len(picked))])
+            row = i["base"][0:1] + markov.block_bias(prev_token_ids=prev, hidden_states=i["hidden"][0:1])
+            picked.append(int(row[0, slot].argmax()))
+    out[head] = (corrected, conf, torch.tensor(picked[1:]))
+torch.save(out, {str(tmp_path / 'out.pt')!r})
+"""
+    run = subprocess.run([speculators_python, "-c", check], capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr[-3000:]
+    theirs = torch.load(tmp_path / "out.pt")
+    for head, (corrected, confidence, path) in ours.items():
+        assert torch.allclose(theirs[head][0], corrected, atol=1e-5), head
+        assert torch.allclose(theirs[head][1], confidence, atol=1e-5), head
+        assert torch.equal(theirs[head][2], path), head
+    assert not torch.equal(ours["vanilla"][2], base[0].argmax(-1))  # the heads change the block: the check has teeth
