@@ -145,17 +145,19 @@ def train(
     ] = None,
     init_from: Annotated[
         str | None, typer.Option(help="Start from this z-lab-format drafter (e.g. a published one) and fine-tune it; "
-                                      "with --architecture dflash2 a DFlash drafter is warm-started as DFlash2's "
-                                      "backbone.")
+                                      "with --architecture dflash2 or dspark a DFlash drafter is warm-started as "
+                                      "its backbone.")
     ] = None,
     architecture: Annotated[
-        str | None, typer.Option(help="dflash (default) or dflash2: DFlash plus block convolutions and a candidate "
-                                      "selector (train.conv_* and train.selector_* in the config).")
+        str | None, typer.Option(help="dflash (default); dflash2: DFlash plus block convolutions and a candidate "
+                                      "selector (train.conv_*, train.selector_*); dspark: anchor-first blocks with a "
+                                      "Markov head and a confidence head (train.markov_*, train.confidence_*, "
+                                      "train.dspark_*).")
     ] = None,
     config: ConfigFlag = None,
     json_out: JsonFlag = False,
 ) -> None:
-    """Train the DFlash (or DFlash2) block-diffusion drafter on the target's hidden states (torchrun for DDP)."""
+    """Train the DFlash (DFlash2, DSpark) block-diffusion drafter on the target's hidden states (torchrun for DDP)."""
     from flashdraft import train as stage
 
     overrides = {"train.target": target, "train.max_steps": max_steps, "train.epochs": epochs,
@@ -193,6 +195,12 @@ def evaluate(
              "τ beside eval's (scripts/engines.sh installs them).")] = None,
     engine_url: Annotated[str | None, typer.Option(
         help="An engine already serving the target with this drafter (its base URL): measured there instead.")] = None,
+    confidence_threshold: Annotated[float | None, typer.Option(
+        help="DSpark: cut each block where its confidence head falls below this (0 < t < 1); eval then reports the "
+             "blocks cut and uncut, and the head's calibration.")] = None,
+    confidence_rule: Annotated[str | None, typer.Option(
+        help="first (DeepSpec, llama.cpp: the first slot below the threshold) or product (vLLM, SGLang: the running "
+             "product of the confidences); default first.")] = None,
     config: ConfigFlag = None,
     json_out: JsonFlag = False,
 ) -> None:
@@ -209,6 +217,8 @@ def evaluate(
         "eval.decoding": decoding,
         "eval.engine": (engine[0] if len(engine) == 1 else list(engine)) if engine else None,
         "eval.engine_url": engine_url,
+        "eval.confidence_threshold": confidence_threshold,
+        "eval.confidence_rule": confidence_rule,
     }
     cfg = load_config(config, overrides)
     drafter = drafter or stage_dir(cfg.workdir, "train")
