@@ -148,13 +148,29 @@ def layer_params(shape: TargetShape) -> int:
 def drafter_params(shape: TargetShape, num_layers: int, n_features: int, tr: TrainConfig | None = None) -> int:
     """Trainable parameters: the draft layers (target-shaped, Qwen3 attention), `fc` and the norms; for DFlash2
     (`tr.architecture`) also two block convolutions a layer (base kernel 2·taps·D, kernel projection D ×
-    2·taps·D/group) and the candidate selector (two V × r codebooks and an r × D projection)."""
+    2·taps·D/group) and the candidate selector (two V × r codebooks and an r × D projection); for DSpark its
+    heads (`dspark_head_params`)."""
     layer = layer_params(shape) + 2 * shape.head_dim + 2 * shape.hidden  # + q/k norms and the layer's two norms
     total = num_layers * layer + n_features * shape.hidden * shape.hidden + 2 * shape.hidden
     if tr is not None and tr.architecture == "dflash2":
         taps, d = tr.conv_kernel_size, shape.hidden
         conv = 2 * taps * d + d * 2 * taps * (d // tr.conv_group_size)
         total += num_layers * 2 * conv + 2 * shape.vocab * tr.selector_rank + tr.selector_rank * d
+    if tr is not None and tr.architecture == "dspark":
+        total += dspark_head_params(shape, tr)
+    return total
+
+
+def dspark_head_params(shape: TargetShape, tr: TrainConfig) -> int:
+    """DSpark's heads: the Markov head's V × r embedding and V′ × r projection (+ the gated head's (D + r) × r gate,
+    or the rnn head's (2r + D) × 3r projection, with biases) and the confidence head's (D + r) → 1."""
+    r, d = tr.markov_rank, shape.hidden
+    total = 0
+    if r:
+        total += shape.vocab * r + (tr.draft_vocab_size or shape.vocab) * r
+        total += {"vanilla": 0, "gated": (d + r) * r + r, "rnn": (2 * r + d) * 3 * r + 3 * r}[tr.markov_head]
+    if tr.confidence_head:
+        total += d + (r if tr.confidence_with_markov and r else 0) + 1
     return total
 
 

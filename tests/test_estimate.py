@@ -3,6 +3,7 @@
 import json
 from pathlib import Path
 
+import pytest
 import yaml
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
@@ -72,6 +73,27 @@ def test_estimate_counts_a_dflash2_drafter_as_built(tiny_model_dir):
     assert est["drafter_params"] == sum(p.numel() for p in real.parameters())
     dflash = estimate(load_config(None, {"train.target": tiny_model_dir, "train.num_layers": 2}), num_prompts=10)
     assert est["drafter_params"] - dflash["drafter_params"] > 2 * target.vocab_size * 64
+
+
+@pytest.mark.parametrize("head", ["vanilla", "gated", "rnn"])
+def test_estimate_counts_a_dspark_drafter_as_built(tiny_model_dir, head):
+    """The Markov head's V × r embedding and V′ × r projection (with a reduced draft vocabulary V′), its gate or
+    recurrence, and the confidence head."""
+    from transformers import AutoConfig
+
+    from flashdraft.config import load_config
+    from flashdraft.estimate import estimate
+    from flashdraft.model.drafter import draft_config
+    from flashdraft.model.dspark import DSparkDrafter, dspark_config
+
+    cfg = load_config(None, {"train.target": tiny_model_dir, "train.architecture": "dspark", "train.num_layers": 2,
+                             "train.markov_rank": 32, "train.markov_head": head, "train.draft_vocab_size": 512})
+    est = estimate(cfg, num_prompts=10)
+    target = AutoConfig.from_pretrained(tiny_model_dir)
+    config = draft_config(target, num_layers=2, block_size=16, mask_token_id=0, draft_vocab_size=512)
+    real = DSparkDrafter(dspark_config(config, markov_rank=32, markov_head=head, confidence_head=True,
+                                       num_anchors=512))
+    assert est["drafter_params"] == sum(p.numel() for p in real.parameters())
 
 
 def test_estimate_counts_max_steps_when_set(cli):

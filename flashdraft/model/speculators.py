@@ -34,6 +34,10 @@ def export_speculators(drafter_dir: Path, target_ref: str, out: Path, log: Calla
         raise BadInput("speculators 0.9 has a DFlash2 model class but no DFlash2 converter (its "
                        "speculators.convert.dflash writes DFlash only, and refuses the convolution and selector "
                        "tensors): serve the z-lab-format export, which SGLang and vLLM load as DFlash2DraftModel")
+    if config.get("architectures") in (["Qwen3DSparkModel"], ["DSparkDraftModel"]):
+        raise BadInput("speculators 0.9 has a DSpark model class but no DSpark converter (speculators.convert has "
+                       "dflash, eagle and mtp only): serve the native export, which vLLM, SGLang and llama.cpp load as "
+                       "DeepSpec's Qwen3DSparkModel")
     if config.get("draft_vocab_size"):
         raise BadInput("a reduced-vocabulary drafter cannot be written in speculators format: its DFlash converter "
                        "keeps the full vocabulary and drops d2t. Serve the z-lab export with vLLM (it reads d2t), "

@@ -143,3 +143,12 @@ def test_a_bonus_anchor_export_is_refused_not_misread(tmp_path):
     (tmp_path / "d" / "config.json").write_text(json.dumps({**config, "sample_from_anchor": False}))
     with pytest.raises(BadInput, match="bonus-anchor"):
         load_drafter(tmp_path / "d")
+
+
+def test_the_speculators_format_is_refused_for_dspark_with_the_reason(tmp_path, tiny_target):
+    from flashdraft.model.speculators import export_speculators
+
+    save_drafter(dspark(), tmp_path / "d")
+    with pytest.raises(BadInput, match="no DSpark converter"):
+        export_speculators(tmp_path / "d", tiny_target, tmp_path / "spec")
+    assert not (tmp_path / "spec").exists()
