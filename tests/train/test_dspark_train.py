@@ -104,3 +104,22 @@ def test_dspark_settings_on_another_architecture_are_refused(tmp_path):
     path.write_text("train:\n  markov_rank: 64\n")
     with pytest.raises(ConfigError, match="markov_rank does nothing here"):
         load_config(path)
+
+
+@pytest.mark.slow
+def test_dspark_under_torchrun_two_ranks_equal_one_process_and_fsdp_exports(tiny_target, tiny_dataset, tmp_path):
+    """DDP: the step's weight total (DSpark's three terms share it) is summed across ranks, so two ranks of two
+    sequences train what one process of four does. FSDP: the heads, outside the layers' shards, train and export."""
+    from tests.train.test_train import torchrun, write_config
+
+    common = dict(max_steps=2, checkpoint_every=1, export_dtype="float32", **DSPARK)
+    single = write_config(tmp_path / "single.yaml", tiny_target, batch_size=4, **common)
+    ddp = write_config(tmp_path / "ddp.yaml", tiny_target, batch_size=2, **common)
+    run(load_config(single).train, tiny_dataset, tmp_path / "one", log=quiet)
+    proc = torchrun("train", "--config", str(ddp), "--data", str(tiny_dataset), "--out", str(tmp_path / "two"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert same_weights(drafter_weights(tmp_path / "one"), drafter_weights(tmp_path / "two"))
+    fsdp = write_config(tmp_path / "fsdp.yaml", tiny_target, batch_size=1, fsdp=True, **common)
+    proc = torchrun("train", "--config", str(fsdp), "--data", str(tiny_dataset), "--out", str(tmp_path / "three"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert type(load_drafter(tmp_path / "three" / "drafter")) is DSparkDrafter
