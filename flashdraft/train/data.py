@@ -97,6 +97,19 @@ def check_against_target(cfg: TrainConfig, target_config) -> None:
     if cfg.distill_topk > vocab:
         raise BadTrainingInput(f"train.distill_topk {cfg.distill_topk:,} is larger than the target's vocabulary "
                                f"({vocab:,}): the top-k is at most every token (typical: 8 … 64)")
+    context = getattr(t, "max_position_embeddings", None)
+    reach = cfg.block_size + (cfg.architecture == "dspark")  # DSpark's last slot predicts one position further
+    if isinstance(context, int) and reach > min(context, cfg.max_length):
+        raise BadTrainingInput(f"train.block_size {cfg.block_size} needs {reach} positions (an anchor and its "
+                               f"{'labels' if cfg.architecture == 'dspark' else 'block'}), more than the "
+                               f"{min(context, cfg.max_length):,} the target's context and train.max_length hold")
+    if cfg.architecture == "dspark" and cfg.markov_rank:
+        markov = 2 * vocab * cfg.markov_rank * 4 * 3  # markov_w1 and (at most) markov_w2, with AdamW's moments
+        if markov > SELECTOR_BYTES_LIMIT:
+            raise BadTrainingInput(f"train.markov_rank {cfg.markov_rank} makes DSpark's Markov head "
+                                   f"{markov / 2**30:.0f} GiB with its optimizer state for a {vocab:,}-token vocabulary "
+                                   f"(limit {SELECTOR_BYTES_LIMIT / 2**30:.0f} GiB): use a rank of at most "
+                                   f"{SELECTOR_BYTES_LIMIT // (2 * vocab * 4 * 3)}")
     if cfg.architecture == "dflash2":
         codebooks = 2 * vocab * cfg.selector_rank * 4 * 3  # weights and AdamW's two moments, float32
         if codebooks > SELECTOR_BYTES_LIMIT:

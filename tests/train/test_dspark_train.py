@@ -52,9 +52,13 @@ def test_a_dspark_run_trains_exports_in_deepspecs_format_and_reports_its_heads(t
 
 
 def test_dspark_trains_on_an_offline_cache_with_the_top_k_as_its_target(tiny_target, tiny_dataset, tmp_path):
+    """With the target's labels (the cache's top-1) and a reduced draft vocabulary, as the demo trains."""
     stats = run(tiny_cfg(tiny_target, max_steps=2, features="offline", distill_topk=16, markov_head="rnn",
-                         **DSPARK), tiny_dataset, tmp_path / "offline", log=quiet)
-    assert stats["steps"] == 2 and load_drafter(tmp_path / "offline" / "drafter").markov_head_type == "rnn"
+                         labels="target", draft_vocab_size=64, **DSPARK), tiny_dataset, tmp_path / "offline",
+                log=quiet)
+    drafter = load_drafter(tmp_path / "offline" / "drafter")
+    assert stats["steps"] == 2 and drafter.markov_head_type == "rnn" and drafter.draft_vocab_size == 64
+    assert stats["heldout"]["serving_acceptance_length"] >= 1.0
 
 
 def test_the_dspark_loss_does_not_depend_on_how_a_step_is_split(tiny_target, tiny_dataset, tmp_path):
@@ -123,3 +127,54 @@ def test_dspark_under_torchrun_two_ranks_equal_one_process_and_fsdp_exports(tiny
     proc = torchrun("train", "--config", str(fsdp), "--data", str(tiny_dataset), "--out", str(tmp_path / "three"))
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert type(load_drafter(tmp_path / "three" / "drafter")) is DSparkDrafter
+
+
+# What DeepSpec's Qwen3DSparkModel requires of its config (it asserts each) and reads, beside the Qwen3 fields.
+DEEPSPEC_FIELDS = {"target_layer_ids", "mask_token_id", "num_anchors", "enable_confidence_head", "markov_rank",
+                   "markov_head_type", "confidence_head_with_markov", "block_size", "num_target_layers"}
+
+
+@pytest.mark.slow
+def test_the_cli_trains_a_dspark_drafter_on_the_embedded_target_in_deepspecs_names_and_shapes(
+        cli, smollm2_dir, tiny_dataset, tmp_path):
+    """`flashdraft train --architecture dspark` on the embedded target (SmolLM2: 30 layers, 49,152 tokens), with the
+    target's own labels and a reduced draft vocabulary: the export's config fields and tensor names and shapes
+    are those of DeepSpec's model for that config (its embedding and LM head are the target's, not copied)."""
+    from safetensors.torch import load_file
+    from transformers import AutoConfig
+
+    from tests.train.test_train import write_config
+
+    config = write_config(tmp_path / "c.yaml", smollm2_dir, num_layers=1, block_size=4, max_steps=2, batch_size=2,
+                          markov_rank=16, labels="target", draft_vocab_size=512, mask_token_id=0,
+                          target_layer_ids=[1, 14, 27])
+    out = tmp_path / "run"
+    cli("train", "--architecture", "dspark", "--config", str(config), "--data", str(tiny_dataset), "--out", str(out),
+        check=True)
+    exported = json.loads((out / "drafter" / "config.json").read_text())
+    target = AutoConfig.from_pretrained(smollm2_dir)
+    assert DEEPSPEC_FIELDS <= exported.keys() and exported["architectures"] == ["Qwen3DSparkModel"]
+    assert exported["target_layer_ids"] == [1, 14, 27] and exported["num_target_layers"] == 30
+    assert exported["hidden_size"] == target.hidden_size and exported["vocab_size"] == target.vocab_size
+    d, v, r = target.hidden_size, target.vocab_size, 16
+    shapes = {name: tuple(t.shape) for name, t in load_file(str(out / "drafter" / "model.safetensors")).items()}
+    assert shapes["fc.weight"] == (d, 3 * d) and shapes["hidden_norm.weight"] == (d,) and shapes["norm.weight"] == (d,)
+    assert shapes["markov_head.markov_w1.weight"] == (v, r) and shapes["markov_head.markov_w2.weight"] == (512, r)
+    assert shapes["confidence_head.proj.weight"] == (1, d + r) and shapes["confidence_head.proj.bias"] == (1,)
+    assert shapes["layers.0.self_attn.q_proj.weight"] == (target.num_attention_heads * 64, d)
+    assert shapes["lm_head.weight"] == (512, d) and shapes["d2t"] == (512,)  # vLLM's reduced-vocabulary layout
+    assert not [name for name in shapes if name.startswith(("model.", "embed_tokens"))]
+
+
+def test_a_block_the_context_cannot_hold_is_one_error_line(cli, tiny_target, tiny_dataset, tmp_path):
+    """DSpark's block of K needs K + 1 positions (its last slot predicts the token after it): refused before any
+    weight is built, as DFlash's block of K is past K."""
+    from tests.train.test_train import write_config
+
+    config = write_config(tmp_path / "c.yaml", tiny_target, block_size=4, max_length=4, max_steps=1)
+    run = cli("train", "--architecture", "dspark", "--config", str(config), "--data", str(tiny_dataset), "--out",
+              str(tmp_path / "out"))
+    assert run.returncode == 1 and "Traceback" not in run.stderr
+    assert run.stderr.count("error:") == 1 and "needs 5 positions" in run.stderr
+    assert cli("train", "--config", str(config), "--data", str(tiny_dataset), "--out", str(tmp_path / "dflash"),
+               "--max-steps", "1").returncode == 0  # DFlash's block of 4 fits in 4
