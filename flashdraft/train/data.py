@@ -107,8 +107,8 @@ def check_against_target(cfg: TrainConfig, target_config) -> None:
         markov = 2 * vocab * cfg.markov_rank * 4 * 3  # markov_w1 and (at most) markov_w2, with AdamW's moments
         if markov > SELECTOR_BYTES_LIMIT:
             raise BadTrainingInput(f"train.markov_rank {cfg.markov_rank} makes DSpark's Markov head "
-                                   f"{markov / 2**30:.0f} GiB with its optimizer state for a {vocab:,}-token vocabulary "
-                                   f"(limit {SELECTOR_BYTES_LIMIT / 2**30:.0f} GiB): use a rank of at most "
+                                   f"{markov / 2**30:.0f} GiB with its optimizer state for a {vocab:,}-token "
+                                   f"vocabulary (limit {SELECTOR_BYTES_LIMIT / 2**30:.0f} GiB): use a rank of at most "
                                    f"{SELECTOR_BYTES_LIMIT // (2 * vocab * 4 * 3)}")
     if cfg.architecture == "dflash2":
         codebooks = 2 * vocab * cfg.selector_rank * 4 * 3  # weights and AdamW's two moments, float32
