@@ -10,6 +10,13 @@ A DFlash2 drafter is written in z-lab's published DFlash2 contract: `architectur
 `.kernel_projection.weight` and `candidate_selector.{predecessor,successor}_codebook` /
 `.hidden_projection.weight`.
 
+A DSpark drafter is written in DeepSpec's native contract (what vLLM, SGLang and llama.cpp load):
+`architectures: [Qwen3DSparkModel]`, the draft fields at the top level (`target_layer_ids`, `mask_token_id`,
+`num_anchors`, `markov_rank`, `markov_head_type`, `enable_confidence_head`, `confidence_head_with_markov`,
+`sample_from_anchor: true`), no `dflash_config`; the tensors add `markov_head.*` and `confidence_head.proj.*`.
+A bonus-anchor DSpark config (`sample_from_anchor: false`) is refused on load rather than decoded in the wrong
+layout.
+
     from flashdraft.model.export import save_drafter, load_drafter
 """
 

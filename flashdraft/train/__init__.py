@@ -1,13 +1,15 @@
-"""train: the DFlash (or DFlash2) drafter on the target's hidden states — resumable, distributed with torchrun.
+"""train: the DFlash (DFlash2, DSpark) drafter on the target's hidden states — resumable, distributed with torchrun.
 
     flashdraft train --data work/dataset --out work/train [--target REF] [--epochs 6] [--max-steps N]
     torchrun --nproc-per-node 4 -m flashdraft train --data … --out …      # DDP (gloo on CPU, nccl on GPU)
     flashdraft train … --architecture dflash2 [--init-from work/train/drafter]   # DFlash2, warm-started
+    flashdraft train … --architecture dspark [--init-from work/train/drafter]    # DSpark (docs/dspark.md)
 
 Each step: for every sequence, the frozen target runs once with forward hooks on `target_layer_ids` (their
 outputs = hidden_states[id + 1]); anchors are drawn from supervised positions; all blocks of the sequence
 go through the drafter in one pass under the block mask; the target's LM head scores the block positions;
-the loss is CE weighted by exp(−(k−1)/γ) × loss mask (or D-PACE's weights; DFlash2 adds its selector's CE).
+the loss is CE weighted by exp(−(k−1)/γ) × loss mask (or D-PACE's weights; DFlash2 adds its selector's CE;
+DSpark's is DeepSpec's: CE, L1 to the target's distribution and the confidence head's BCE, step.dspark_result).
 AdamW (or Muon for the matrices), cosine schedule with warmup, grad clipping.
 
 `run` reads top to bottom: decide (done? resume?) → set up (target, data, drafter, optimizer) → loop →
