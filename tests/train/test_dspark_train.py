@@ -178,3 +178,19 @@ def test_a_block_the_context_cannot_hold_is_one_error_line(cli, tiny_target, tin
     assert run.stderr.count("error:") == 1 and "needs 5 positions" in run.stderr
     assert cli("train", "--config", str(config), "--data", str(tiny_dataset), "--out", str(tmp_path / "dflash"),
                "--max-steps", "1").returncode == 0  # DFlash's block of 4 fits in 4
+
+
+def test_a_resumed_dspark_run_ends_where_the_uninterrupted_one_does(tiny_target, tiny_dataset, tmp_path):
+    """The heads' weights and their optimizer state are in the checkpoint: killed after step 2 of 4 (its export and
+    last checkpoint gone), the rerun resumes there and ends with the same drafter."""
+    import shutil
+
+    cfg = tiny_cfg(tiny_target, max_steps=4, checkpoint_every=2, export_dtype="float32", **DSPARK)
+    run(cfg, tiny_dataset, tmp_path / "whole", log=quiet)
+    run(cfg, tiny_dataset, tmp_path / "cut", log=quiet)
+    shutil.rmtree(tmp_path / "cut" / "drafter")
+    shutil.rmtree(tmp_path / "cut" / "checkpoints" / "step-0000004")
+    lines = []
+    run(cfg, tiny_dataset, tmp_path / "cut", log=lines.append)
+    assert any("resuming from step-0000002" in line for line in lines)
+    assert same_weights(drafter_weights(tmp_path / "whole"), drafter_weights(tmp_path / "cut"))
