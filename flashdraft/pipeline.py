@@ -76,7 +76,8 @@ def run_pipeline(
         "generate": lambda: generate.run(cfg.generate, mine, console=console, log=log),
         "tokenize": tokenize_all,
         "train": lambda: train.run(train_cfg, stage_dir(work, "tokenize"), train_dir(work), console=console, log=log),
-        "eval": lambda: evaluate.run(cfg.eval, stage_dir(work, "train"), stage_dir(work, "eval"), log=log),
+        "eval": lambda: evaluate.run(cfg.eval, stage_dir(work, "train"), stage_dir(work, "eval"), console=console,
+                                     log=log),
     }
     results = {}
     chosen = selected(from_stage, until)

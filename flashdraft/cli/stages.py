@@ -223,7 +223,7 @@ def evaluate(
     cfg = load_config(config, overrides)
     drafter = drafter or stage_dir(cfg.workdir, "train")
     out = out or stage_dir(cfg.workdir, "eval")
-    stats = stage.run(cfg.eval, drafter, out, log=human(json_out).print)
+    stats = stage.run(cfg.eval, drafter, out, console=err_console, log=human(json_out).print)
     if json_out:
         emit_json({"path": str(out), **stats})
 

@@ -52,7 +52,9 @@ from flashdraft.evaluate.sets import load_eval_sets
 from flashdraft.evaluate.static import StaticSpecDecoder, cuda_graphs, static_unsupported
 from flashdraft.model.dspark import is_dspark
 from flashdraft.model.export import load_drafter
+from flashdraft.model.objective import acceptance_length
 from flashdraft.model.target import Target
+from flashdraft.progress import progress
 
 
 def run(
@@ -61,6 +63,7 @@ def run(
     out: Path,
     *,
     target_ref: str | None = None,
+    console=None,
     log: Callable[[str], None] = print,
 ) -> dict[str, Any]:
     from transformers import AutoTokenizer
@@ -156,41 +159,46 @@ def run(
                                              log)
 
         per_prompt = []
-        for item in prompts:
-            messages, answer = list(item.prompt.messages), ""
-            for turn, follow_up in enumerate((None, *item.follow_ups), start=1):
-                if follow_up is not None:  # asked after the target's own answer to the turn before
-                    messages += [{"role": "assistant", "content": answer}, {"role": "user", "content": follow_up}]
-                ids = render(messages)
-                # Interleaved per prompt, so drift in machine load hits every method alike.
-                spec = decoder.generate(ids, cfg.max_new_tokens, cfg.temperature, generator)
-                whole = (uncut.generate(ids, cfg.max_new_tokens, cfg.temperature, generator)
-                         if uncut is not None else None)
-                if isinstance(decoder, StaticSpecDecoder):
-                    base, base_s = decoder.target_only(ids, cfg.max_new_tokens)
-                else:
-                    base, base_s, _ = target_only(target, ids, cfg.max_new_tokens)
-                pld, pld_s, pld_calls = ([], None, None) if stateful else target_only(
-                    target, ids, cfg.max_new_tokens, lookup=cfg.prompt_lookup_tokens)
-                diverged = (divergence(target, ids, base, spec.tokens, cfg.near_tie_ulps) if cfg.temperature <= 0
-                            else None)
-                answer = tokenizer.decode(spec.tokens, skip_special_tokens=True)
-                per_prompt.append({
-                    "id": item.prompt.id, "dataset": item.dataset, "turn": turn, "prompt_tokens": len(ids),
-                    "category": item.prompt.category or "all", "tokens": len(spec.tokens),
-                    "accepted": spec.accepted, "spec_seconds": spec.seconds, "target_seconds": base_s,
-                    "target_tokens": len(base), "lookup_seconds": pld_s, "lookup_tokens": len(pld),
-                    "lookup_forwards": pld_calls,
-                    # a baseline is only worth its speedup if it is lossless too: greedy lookup must emit
-                    # target-only's tokens (up to the first stop token, where the baseline stops)
-                    "lookup_lossless": (until_stop(pld, stop_ids) == until_stop(base, stop_ids)
-                                        if pld_s is not None and cfg.temperature <= 0 else None),
-                    "lossless": (diverged is None or diverged["near_tie"]) if cfg.temperature <= 0 else None,
-                    "divergence": diverged,
-                    **({"proposed": spec.proposed, "confidence": spec.confidence} if is_dspark(drafter) else {}),
-                    **({"accepted_uncut": whole.accepted, "proposed_uncut": whole.proposed,
-                        "confidence_uncut": whole.confidence} if whole is not None else {}),
-                })
+        # one line every FLASHDRAFT_PROGRESS_SECONDS in a log file (a bar on a terminal): turns done, τ so far, ETA
+        with progress(console, "eval: turns decoded, τ so far {task.fields[tau]},", total=turns, tau="–") as advance:
+            for item in prompts:
+                messages, answer = list(item.prompt.messages), ""
+                for turn, follow_up in enumerate((None, *item.follow_ups), start=1):
+                    if follow_up is not None:  # asked after the target's own answer to the turn before
+                        messages += [{"role": "assistant", "content": answer},
+                                     {"role": "user", "content": follow_up}]
+                    ids = render(messages)
+                    # Interleaved per prompt, so drift in machine load hits every method alike.
+                    spec = decoder.generate(ids, cfg.max_new_tokens, cfg.temperature, generator)
+                    whole = (uncut.generate(ids, cfg.max_new_tokens, cfg.temperature, generator)
+                             if uncut is not None else None)
+                    if isinstance(decoder, StaticSpecDecoder):
+                        base, base_s = decoder.target_only(ids, cfg.max_new_tokens)
+                    else:
+                        base, base_s, _ = target_only(target, ids, cfg.max_new_tokens)
+                    pld, pld_s, pld_calls = ([], None, None) if stateful else target_only(
+                        target, ids, cfg.max_new_tokens, lookup=cfg.prompt_lookup_tokens)
+                    diverged = (divergence(target, ids, base, spec.tokens, cfg.near_tie_ulps)
+                                if cfg.temperature <= 0 else None)
+                    answer = tokenizer.decode(spec.tokens, skip_special_tokens=True)
+                    per_prompt.append({
+                        "id": item.prompt.id, "dataset": item.dataset, "turn": turn, "prompt_tokens": len(ids),
+                        "category": item.prompt.category or "all", "tokens": len(spec.tokens),
+                        "accepted": spec.accepted, "spec_seconds": spec.seconds, "target_seconds": base_s,
+                        "target_tokens": len(base), "lookup_seconds": pld_s, "lookup_tokens": len(pld),
+                        "lookup_forwards": pld_calls,
+                        # a baseline is only worth its speedup if it is lossless too: greedy lookup must emit
+                        # target-only's tokens (up to the first stop token, where the baseline stops)
+                        "lookup_lossless": (until_stop(pld, stop_ids) == until_stop(base, stop_ids)
+                                            if pld_s is not None and cfg.temperature <= 0 else None),
+                        "lossless": (diverged is None or diverged["near_tie"]) if cfg.temperature <= 0 else None,
+                        "divergence": diverged,
+                        **({"proposed": spec.proposed, "confidence": spec.confidence}
+                           if is_dspark(drafter) else {}),
+                        **({"accepted_uncut": whole.accepted, "proposed_uncut": whole.proposed,
+                            "confidence_uncut": whole.confidence} if whole is not None else {}),
+                    })
+                    advance(1, tau=f"{acceptance_length([n for row in per_prompt for n in row['accepted']]):.2f}")
 
         # positions a step can accept: K − 1 drafts (DFlash, DFlash2), K (DSpark, whose anchor slot drafts too)
         report = summarize(per_prompt, drafter.block_size + int(is_dspark(drafter)), cfg)

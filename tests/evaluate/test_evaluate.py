@@ -278,3 +278,20 @@ def test_eval_of_a_z_lab_format_drafter_flashdraft_did_not_make(tmp_path, tiny_m
                 tmp_path / "eval", log=lines.append)
     assert any("has no manifest" in line for line in lines)
     assert stats["lossless"] is True and stats["prompts"] == 1
+
+
+def test_eval_in_a_log_file_says_how_far_it_has_got(cli, tmp_path, tiny_model_dir, overfit_drafter):
+    """Hours of eval are never silent (issue 56): in a log file, a line per interval with the turns decoded of all,
+    the τ so far and an ETA (FLASHDRAFT_PROGRESS_SECONDS 0: a line a turn)."""
+    import os
+
+    save_drafter(overfit_drafter, tmp_path / "drafter")
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": f"Tell me about {w}."}) + "\n" for w in ("cats", "dogs", "owls")))
+    run_ = cli("eval", "--drafter", str(tmp_path / "drafter"), "--prompts", str(prompts), "--target", tiny_model_dir,
+               "--out", str(tmp_path / "eval"), "--max-new-tokens", "8",
+               env=dict(os.environ, FLASHDRAFT_PROGRESS_SECONDS="0"))
+    assert run_.returncode == 0, run_.stderr[-2000:]
+    progress = [line for line in run_.stderr.splitlines() if line.startswith("eval: turns decoded")]
+    assert [line.split(", τ so far")[1].split(" ")[2] for line in progress] == ["1/3", "2/3", "3/3"]
+    assert all("ETA" in line for line in progress)
