@@ -52,15 +52,36 @@ def pipeline_status(cfg: PipelineConfig, store: str | None = None) -> list[dict[
                 row["reason"] = describe_progress(row["progress"])
         rows.append(row)
         if store:
-            from flashdraft.artifact.store import open_store
-            from flashdraft.artifact.sync import verify_store
-
             remote = stage_url(store, stage) if part is None else join(store, part)
-            remote_problems = verify_store(open_store(remote))
-            reason = str(remote_problems[0]) if remote_problems else "listing and checksums match"
-            rows.append({**{k: v for k, v in row.items() if k != "progress"}, "where": "store", "artifact": remote,
-                         "verified": not remote_problems, "reason": reason})
+            rows.append(store_row(stage, remote))
     return [redacted(row) for row in rows]
+
+
+def store_row(stage: str, remote: str) -> dict[str, Any]:
+    """The store's copy of a stage's artifact, told by what the store holds: verified (with the stats of the
+    store's own manifest), not there or not verifying (`verified` False), or not checkable from here — no
+    credentials, the endpoint down (`verified` None: "cannot check" is not "not verified")."""
+    from flashdraft.artifact.manifest import MANIFEST, ManifestError, parse_manifest
+    from flashdraft.artifact.store import StoreError, open_store
+    from flashdraft.artifact.sync import verify_store
+
+    row = {"stage": stage, "where": "store", "artifact": remote, "stats": {}}
+    try:
+        store = open_store(remote)
+        raw = store.read_bytes(MANIFEST)
+    except StoreError as e:
+        return {**row, "verified": None, "reason": f"cannot check: {e}"}
+    if raw is None:
+        return {**row, "verified": False, "reason": f"not there: no {MANIFEST} (never pushed, or deleted)"}
+    problems = verify_store(store)
+    if problems:
+        return {**row, "verified": False, "reason": str(problems[0])}
+    try:
+        stats = parse_manifest(raw).stats
+    except ManifestError:  # verify_store read the same bytes; kept apart only for its own error type
+        stats = {}
+    return {**row, "verified": True, "reason": "listing and checksums match",
+            "stats": {k: stats[k] for k in KEY_STATS[stage] if k in stats}}
 
 
 def work_in_progress(stage: str, path: Path, cfg: PipelineConfig) -> dict[str, Any]:
@@ -172,7 +193,8 @@ def status_table(rows: list[dict[str, Any]]) -> Table:
         table.add_column(column)
     for row in rows:
         shown = ", ".join(f"{k} {_fmt(v)}" for k, v in row["stats"].items())
-        verdict = "yes" if row["verified"] else f"no: {row['reason']}"
+        verdict = ("yes" if row["verified"] else row["reason"] if row["verified"] is None
+                   else f"no: {row['reason']}")
         table.add_row(row["stage"], row["where"], row["artifact"], verdict, shown)
     return table
 
@@ -188,7 +210,7 @@ def status_markdown(rows: list[dict[str, Any]]) -> str:
     ]
     for r in rows:
         stats = ", ".join(f"{k} {v}" for k, v in r["stats"].items())
-        verified = "yes" if r["verified"] else "NO"
+        verified = "yes" if r["verified"] else "cannot check" if r["verified"] is None else "NO"
         lines.append(f"| {r['stage']} | {r['where']} | `{r['artifact']}` | {verified} | {r['reason']} | {stats} |")
     return "\n".join(lines) + "\n"
 

@@ -145,11 +145,11 @@ def test_status_reports_what_it_checks_now(cli, tmp_path, tiny_model_dir):
     stray = next((tmp_path / "store" / "dataset").glob("data-*.arrow"))
     stray.unlink()
     report = json.loads(cli("status", "--config", config, "--store", str(tmp_path / "store"), "--json",
-                            check=True).stdout)
+                            "--markdown", str(tmp_path / "STATUS.md"), check=True).stdout)
     state = {(r["stage"], r["where"]): r for r in report["stages"]}
     assert not state[("tokenize", "store")]["verified"] and stray.name in state[("tokenize", "store")]["reason"]
     assert state[("tokenize", "local")]["verified"] and state[("generate", "store")]["verified"]
-    status_md = (tmp_path / "work" / "STATUS.md").read_text()
+    status_md = (tmp_path / "STATUS.md").read_text()
     assert "| tokenize | store |" in status_md and "NO" in status_md
 
     cli("run", config, "--until", "tokenize", "--store", str(tmp_path / "store"), check=True)  # repairs it

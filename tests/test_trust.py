@@ -359,8 +359,46 @@ def test_credentials_in_urls_are_never_printed_or_written(cli, tmp_path, s3env):
 
 
 def test_status_shows_a_reason_with_brackets_as_it_is(cli, tmp_path, s3env):
-    proc = cli("status", "--store", "s3://bad[/x]bucket/run", "--json", cwd=tmp_path)
+    proc = cli("status", "--store", "s3://bad[/x]bucket/run", "--json", "--markdown", "STATUS.md", cwd=tmp_path)
     assert "Traceback" not in proc.stderr and "MarkupError" not in proc.stderr
     rows = json.loads(proc.stdout)["stages"]
     assert any("[/x]" in row["artifact"] and not row["verified"] for row in rows if row["where"] == "store")
-    assert "[/x]" in (tmp_path / "flashdraft-work" / "STATUS.md").read_text()
+    assert "[/x]" in (tmp_path / "STATUS.md").read_text()
+
+
+def test_status_is_read_only_in_an_empty_directory(cli, tmp_path):
+    """Issue 56: a read-only command writes nothing — no flashdraft-work/, no STATUS.md — unless asked for a file."""
+    (tmp_path / "empty").mkdir()
+    proc = cli("status", cwd=tmp_path / "empty")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert list((tmp_path / "empty").iterdir()) == []
+    cli("status", "--markdown", "table.md", cwd=tmp_path / "empty", check=True)
+    assert [p.name for p in (tmp_path / "empty").iterdir()] == ["table.md"]
+
+
+def test_status_tells_a_store_it_cannot_check_from_one_that_does_not_verify(cli, tmp_path, s3env, monkeypatch):
+    """Issue 56: no credentials is "cannot check" (exit 1, one line), not "NOT verified" with exit 0; a store row
+    whose artifact is not there shows no stats (the local copy's are not the store's)."""
+    from tests.train.test_train import make_dataset
+
+    from flashdraft.artifact.manifest import build_manifest, write_manifest
+
+    work = tmp_path / "work" / "dataset"
+    make_dataset(work, [[1, 2, 3, 4, 5, 6]])
+    write_manifest(work, build_manifest(work, kind="dataset", stats={"samples": 1, "tokens": 6}))
+    config = tmp_path / "c.yaml"
+    config.write_text(f"workdir: {tmp_path / 'work'}\n")
+    store = "s3://flashdraft/status-run"
+    report = json.loads(cli("status", "--config", str(config), "--store", store, "--json", check=True).stdout)
+    rows = {(r["stage"], r["where"]): r for r in report["stages"]}
+    assert rows[("tokenize", "local")]["verified"] and rows[("tokenize", "local")]["stats"]["samples"] == 1
+    absent = rows[("tokenize", "store")]
+    assert absent["verified"] is False and absent["stats"] == {} and "not there" in absent["reason"]
+
+    monkeypatch.delenv("AWS_ACCESS_KEY_ID")
+    monkeypatch.delenv("AWS_SECRET_ACCESS_KEY")
+    proc = cli("status", "--config", str(config), "--store", store, "--json")
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr
+    assert "could not be checked" in proc.stderr and "no credentials" in proc.stderr
+    stored = [r for r in json.loads(proc.stdout)["stages"] if r["where"] == "store"]
+    assert stored and all(r["verified"] is None and r["reason"].startswith("cannot check") for r in stored)

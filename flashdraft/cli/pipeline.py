@@ -18,6 +18,7 @@ from flashdraft.cli.app import (
     human,
 )
 from flashdraft.config import load_config
+from flashdraft.errors import ExpectedFailure
 from flashdraft.layout import stage_dir
 from flashdraft.preflight import require
 
@@ -25,19 +26,26 @@ from flashdraft.preflight import require
 @app.command()
 def status(
     store: Annotated[str | None, typer.Option(help="Also check the artifacts in this store.")] = None,
+    markdown: Annotated[Path | None, typer.Option(help="Also write the table as markdown to this file (status "
+                                                        "writes nothing unless asked).")] = None,
     config: ConfigFlag = None,
     json_out: JsonFlag = False,
 ) -> None:
-    """Show each stage's artifact and whether it verifies (checked now, not remembered); writes STATUS.md."""
+    """Show each stage's artifact and whether it verifies (checked now, not remembered). Read-only: it writes
+    nothing but the --markdown file it is asked for."""
     from flashdraft.artifact.atomic import atomic_write_text
     from flashdraft.status import pipeline_status, status_markdown, status_table
 
     cfg = load_config(config, {"store": store})
     rows = pipeline_status(cfg, cfg.store)
     human(json_out).print(status_table(rows))
-    atomic_write_text(Path(cfg.workdir) / "STATUS.md", status_markdown(rows))
+    if markdown is not None:
+        atomic_write_text(markdown, status_markdown(rows))
     if json_out:
         emit_json({"stages": rows, "all_verified": all(r["verified"] for r in rows)})
+    if unchecked := [r for r in rows if r["verified"] is None]:  # the table is out; the exit says it is incomplete
+        raise ExpectedFailure(f"status: {len(unchecked)} artifact(s) could not be checked — "
+                              f"{unchecked[0]['reason']}")
 
 
 @app.command()
