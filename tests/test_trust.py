@@ -379,9 +379,8 @@ def test_status_is_read_only_in_an_empty_directory(cli, tmp_path):
 def test_status_tells_a_store_it_cannot_check_from_one_that_does_not_verify(cli, tmp_path, s3env, monkeypatch):
     """Issue 56: no credentials is "cannot check" (exit 1, one line), not "NOT verified" with exit 0; a store row
     whose artifact is not there shows no stats (the local copy's are not the store's)."""
-    from tests.train.test_train import make_dataset
-
     from flashdraft.artifact.manifest import build_manifest, write_manifest
+    from tests.train.test_train import make_dataset
 
     work = tmp_path / "work" / "dataset"
     make_dataset(work, [[1, 2, 3, 4, 5, 6]])
