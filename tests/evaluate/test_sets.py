@@ -101,6 +101,22 @@ def test_a_hub_set_on_a_machine_without_the_hub_names_the_local_way(cli, tmp_pat
     assert "--prompts gsm8k=PATH" in lines[0] and "Traceback" not in result.stderr
 
 
+def test_a_hub_that_does_not_answer_is_one_line_not_a_minute_of_retries(cli, tmp_path):
+    """Issue 56: without offline mode set, an unreachable hub (here a closed port) used to print datasets' six retry
+    warnings over ~25 s before the line; the hub is probed first, and the error is the one line."""
+    import os
+
+    env = {k: v for k, v in os.environ.items() if k not in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE")}
+    env |= {"HF_ENDPOINT": "http://127.0.0.1:9", "HF_HOME": str(tmp_path / "hf")}
+    (tmp_path / "drafter").mkdir()
+    (tmp_path / "drafter" / "config.json").write_text("{}")
+    result = cli("eval", "--drafter", str(tmp_path / "drafter"), "--prompts", "gsm8k", "--out", str(tmp_path / "e"),
+                 env=env)
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert result.returncode == 1 and len(lines) == 1, result.stderr
+    assert "127.0.0.1 unreachable" in lines[0] and "--prompts gsm8k=PATH" in lines[0]
+
+
 def test_eval_reports_a_tau_table_per_dataset(cli, tmp_path, tiny_model_dir):
     """One `flashdraft eval` over two standard sets (one of them two-turn) and a built-in one: a row per set and
     one for all in report.md (printed too) and report.json; mt-bench's second turn is asked after the first
