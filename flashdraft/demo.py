@@ -124,7 +124,8 @@ def plan(cfg: PipelineConfig) -> list[tuple[str, str, float]]:
     ]
 
 
-def run_demo(workdir: Path | None, console: Console, full: bool = False) -> None:
+def run_demo(workdir: Path | None, console: Console, full: bool = False) -> dict:
+    """Returns what `--json` prints: the work directory and the verified eval's and drafter's key figures."""
     console.rule("flashdraft demo" + (" --full" if full else "") + " — embedded SmolLM2-135M-Instruct, CPU, offline")
     cfg = demo_config(workdir, full)
     stages = plan(cfg)
@@ -137,6 +138,13 @@ def run_demo(workdir: Path | None, console: Console, full: bool = False) -> None
         run_pipeline(cfg, console=console, log=log)
     console.print(status_table(pipeline_status(cfg)))
     console.print(summary_line(cfg))
+    evaluated = read_manifest(stage_dir(cfg.workdir, "eval")).stats
+    held = read_manifest(stage_dir(cfg.workdir, "train")).stats.get("heldout") or {}
+    return {"workdir": str(cfg.workdir), "acceptance_length": evaluated["acceptance_length"],
+            "lossless": evaluated["lossless"], "prompts": evaluated["prompts"],
+            "lookup_acceptance_length": evaluated.get("lookup_acceptance_length"),
+            "training_log_acceptance_length": held.get("serving_acceptance_length"),
+            "drafter": str(stage_dir(cfg.workdir, "train"))}
 
 
 @contextmanager

@@ -46,18 +46,22 @@ FROZEN_FLAGS = {
     ],
     "train": ["--architecture", "--config", "--data", "--epochs", "--features", "--init-from", "--json", "--max-steps",
               "--out", "--push-to", "--resume", "--target"],
-    "eval": ["--config", "--decoding", "--drafter", "--engine", "--engine-url", "--json", "--max-new-tokens",
-             "--max-prompts", "--out", "--prompts",
+    "eval": ["--confidence-rule", "--confidence-threshold", "--config", "--decoding", "--drafter", "--engine",
+             "--engine-url", "--json", "--max-new-tokens", "--max-prompts", "--out", "--prompts",
              "--target", "--temperature", "--thinking"],
     "export": ["--config", "--drafter", "--format", "--json", "--out", "--target"],
     "manifest": ["--json", "--kind"],
     "verify": ["--deep", "--endpoint-url", "--json", "--profile"],
     "sync": ["--delete", "--endpoint-url", "--force", "--jobs", "--json", "--part-size-mb", "--profile", "--verbose"],
-    "status": ["--config", "--json", "--store"],
-    "run": ["--dry-run", "--from", "--store", "--until"],
-    "demo": ["--full", "--workdir"],
+    "status": ["--config", "--json", "--markdown", "--store"],
+    "run": ["--dry-run", "--from", "--json", "--store", "--until"],
+    "demo": ["--full", "--json", "--workdir"],
     "estimate": ["--json", "--num-prompts", "--target-config", "--tokens-per-s"],
 }
+
+
+def test_every_command_has_json_output_as_the_readme_says():
+    assert [name for name in COMMANDS if "--json" not in FROZEN_FLAGS[name]] == []
 
 
 def test_help_lists_every_command(cli):

@@ -84,6 +84,9 @@ def test_run_pipeline_end_to_end_then_everything_is_done(cli, tmp_path, tiny_mod
 
     plan = cli("run", config, "--dry-run", "--from", "tokenize", check=True)
     assert "generate" not in plan.stdout and "dataset" in plan.stdout
+    planned = json.loads(cli("run", config, "--dry-run", "--from", "tokenize", "--json", check=True).stdout)
+    assert set(planned["stages"]) == {"tokenize", "train", "eval"} and planned["stages"]["eval"]["verified"]
+    assert planned["preflight"] and all(check["ok"] for check in planned["preflight"])
 
     store = tmp_path / "store"
     pushed = cli("run", config, "--store", str(store), check=True)
@@ -127,8 +130,12 @@ def test_standalone_stages_and_run_share_one_layout(cli, tmp_path, tiny_model_di
     report = json.loads(cli("status", "--config", config, "--store", str(store), "--json", check=True).stdout)
     assert [(r["stage"], r["where"]) for r in report["stages"] if not r["verified"]] == [("eval", "store")]
     assert [verify_dir(c) for c in (store / "train" / "checkpoints").iterdir()] == [[]]
-    again = cli("run", config, "--store", str(store), check=True).stdout
-    assert all(f"{stage}: already done, verified" in again for stage in ("generate", "tokenize", "train", "eval"))
+    again = cli("run", config, "--store", str(store), "--json", check=True)  # stdout: one JSON object only
+    assert all(f"{stage}: already done, verified" in again.stderr for stage in ("generate", "tokenize", "train",
+                                                                               "eval"))
+    result = json.loads(again.stdout)
+    assert set(result["stages"]) == {"generate", "tokenize", "train", "eval"}
+    assert result["stages"]["eval"]["acceptance_length"] >= 1.0 and result["stages"]["eval"]["lossless"] is True
     assert verify_dir(store / "eval") == []
 
 

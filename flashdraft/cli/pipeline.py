@@ -11,7 +11,6 @@ from flashdraft.cli.app import (
     ConfigFlag,
     JsonFlag,
     app,
-    console,
     emit_json,
     err_console,
     fail,
@@ -55,6 +54,7 @@ def run(
     until: Annotated[str | None, typer.Option(help="Last stage to run.")] = None,
     store: Annotated[str | None, typer.Option(help="Push each artifact here and verify it there.")] = None,
     dry_run: Annotated[bool, typer.Option(help="Check the config and print the plan.")] = False,
+    json_out: JsonFlag = False,
 ) -> None:
     """Run generate → tokenize → train → eval, skipping stages whose output verifies."""
     from flashdraft.pipeline import run_pipeline, selected
@@ -64,22 +64,31 @@ def run(
     stages = selected(from_stage, until)
     # Before any stage: a wrong store or endpoint is found now, not hours in.
     checks = pipeline_checks(cfg, stages, every=dry_run)
+    out = human(json_out)
     if dry_run:
         from flashdraft.artifact.manifest import verify_dir
 
+        planned = {}
         for stage in stages:
             path = stage_dir(cfg.workdir, stage)
             problems = verify_dir(path)
             state = "verified (will be checked for lineage)" if not problems else f"to build ({problems[0]})"
-            console.print(f"{stage}: {path} — {state}")
-        console.print("preflight:")
+            planned[stage] = {"path": str(path), "verified": not problems}
+            out.print(f"{stage}: {path} — {state}")
+        out.print("preflight:")
         for check in checks:
-            console.print(f"  {check.line()}", soft_wrap=True)
+            out.print(f"  {check.line()}", soft_wrap=True)
+        if json_out:
+            emit_json({"dry_run": True, "stages": planned,
+                       "preflight": [{"ok": c.ok, "line": c.line()} for c in checks]})
         if failed := [c for c in checks if not c.ok]:
             fail(f"preflight: {len(failed)} of {len(checks)} checks failed; nothing was started")
         return
     require(checks)
-    run_pipeline(cfg, from_stage=from_stage, until=until, console=err_console, log=console.print)
+    results = run_pipeline(cfg, from_stage=from_stage, until=until, console=err_console, log=out.print)
+    if json_out:
+        emit_json({"stages": {stage: {"path": str(stage_dir(cfg.workdir, stage)), **(stats or {})}
+                              for stage, stats in results.items()}})
 
 
 @app.command()
@@ -88,12 +97,15 @@ def demo(
         help="Where the demo's artifacts go (default: flashdraft-work, or flashdraft-work-full with --full).")] = None,
     full: Annotated[bool, typer.Option(
         help="The τ-chasing settings: 3,349 prompts and 3,600 steps, about 47 minutes on 2 cores (τ 1.83).")] = False,
+    json_out: JsonFlag = False,
 ) -> None:
     """The whole pipeline on this CPU machine, offline, on the embedded SmolLM2-135M-Instruct target: about 10
     minutes on 2 cores (--full: about 47). It prints its plan first and a line with the ETA every 15 s."""
     from flashdraft.demo import run_demo
 
-    run_demo(workdir, console, full)
+    stats = run_demo(workdir, human(json_out), full)
+    if json_out:
+        emit_json(stats)
 
 
 @app.command()
