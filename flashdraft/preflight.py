@@ -41,9 +41,11 @@ class Check:
     what: str  # "store s3://bucket/run/generate", "endpoint http://gpu-a:8000/v1", …
     ok: bool
     detail: str  # what was found, or why it failed
+    skipped: bool = False  # could not be checked here (said, not failed): printed "skip", never "ok"
 
     def line(self) -> str:
-        return redact(f"{'ok  ' if self.ok else 'FAIL'} {self.what}: {self.detail}")
+        state = "skip" if self.skipped else "ok  " if self.ok else "FAIL"
+        return redact(f"{state} {self.what}: {self.detail}")
 
 
 class PreflightFailed(ExpectedFailure):
@@ -313,6 +315,8 @@ def pipeline_checks(cfg: PipelineConfig, stages: list[str], every: bool = True) 
     from flashdraft.layout import generate_parts, join, stage_url, train_url
 
     g, checks = cfg.generate, []
+    if stages and stages[0] in ("train", "eval"):  # --from a later stage: its input must be here or in the store
+        checks.append(check_input(cfg, stages[0]))  # (tokenize's input may be generate's shards, checked there)
     if cfg.store:
         for stage in stages:
             url = join(cfg.store, generate_parts(g.num_shards)[g.shard_index]) if stage == "generate" and \
@@ -337,6 +341,41 @@ def pipeline_checks(cfg: PipelineConfig, stages: list[str], every: bool = True) 
     return checks
 
 
+def check_input(cfg: PipelineConfig, stage: str) -> Check:
+    """The artifact `stage` starts from (the stage before's), committed locally or in the store, where the run
+    will fetch it from: its manifest and kind, read now (its bytes are verified when the stage starts — re-hashing
+    a dataset of many GB is the stage's work, not the preflight's)."""
+    from flashdraft.artifact.manifest import MANIFEST, ManifestError, parse_manifest
+    from flashdraft.layout import STAGES, stage_dir, stage_url
+
+    before = STAGES[STAGES.index(stage) - 1]
+    kind, local = STAGE_KINDS[before], stage_dir(cfg.workdir, before)
+
+    def found() -> str:
+        if (local / MANIFEST).is_file():
+            theirs = parse_manifest((local / MANIFEST).read_bytes()).kind
+            if theirs != kind:
+                raise ValueError(f"{local} holds a {theirs} artifact, not the {kind} {stage} reads")
+            return f"{kind} at {local}"
+        if cfg.store:
+            from flashdraft.artifact.store import open_store
+
+            url = stage_url(cfg.store, before)
+            raw = open_store(url).read_bytes(MANIFEST)
+            if raw is not None:
+                try:
+                    theirs = parse_manifest(raw).kind
+                except ManifestError as e:
+                    raise ValueError(f"{url} holds a manifest flashdraft cannot read ({e})") from None
+                if theirs != kind:
+                    raise ValueError(f"{url} holds a {theirs} artifact, not the {kind} {stage} reads")
+                return f"{kind} in the store at {url} (fetched and verified when {stage} starts)"
+        where = f"{local}" + (f" nor in {stage_url(cfg.store, before)}" if cfg.store else "")
+        raise ValueError(f"no {kind} at {where}: run --from {before}, or push it there")
+
+    return guarded(f"input of {stage}", found)
+
+
 def _drafter(path: str) -> str:
     if not (Path(path) / "config.json").is_file():
         raise ValueError("no drafter there (config.json)")
@@ -351,7 +390,7 @@ def _disk_for(cfg: PipelineConfig, stages: list[str]) -> Check:
     try:
         est = estimate(cfg)
     except ExpectedFailure as e:
-        return Check(f"disk at {cfg.workdir}", True, f"not estimated here ({e})")
+        return Check(f"disk at {cfg.workdir}", True, f"not estimated here ({e})", skipped=True)
     train = est["checkpoints_bytes"] + est["drafter_bytes"] + (
         est["offline_features_bytes"] if cfg.train.features == "offline" else 0)
     sizes = {"generate": est["completions_bytes"], "tokenize": est["dataset_bytes"], "train": train}
