@@ -78,7 +78,7 @@ def check_store(url: str, kind: str | None = None) -> Check:
 
 
 def _store(url: str, kind: str | None) -> str:
-    from flashdraft.artifact.manifest import MANIFEST, ManifestError, parse_manifest
+    from flashdraft.artifact.manifest import MANIFEST
     from flashdraft.artifact.store import LocalStore, open_store
 
     store = open_store(url)
@@ -92,14 +92,20 @@ def _store(url: str, kind: str | None) -> str:
         where = _s3_probe(store)
     raw = store.read_bytes(MANIFEST)
     if raw is not None and kind is not None:
-        try:
-            theirs = parse_manifest(raw).kind
-        except ManifestError as e:
-            raise ValueError(f"holds a manifest flashdraft cannot read ({e})") from None
-        if theirs != kind:
+        if (theirs := manifest_kind(raw, "")) != kind:
             raise ValueError(f"holds a {theirs} artifact, not a {kind} one: the stage would be refused there")
         return f"{where}; holds a {kind} artifact (checked for its lineage when the stage runs)"
     return f"{where}; no artifact there yet" if raw is None else f"{where}; holds an artifact"
+
+
+def manifest_kind(raw: bytes, where: str) -> str:
+    """The kind a manifest's bytes name; one that does not parse is a failed check, said with `where`."""
+    from flashdraft.artifact.manifest import ManifestError, parse_manifest
+
+    try:
+        return parse_manifest(raw).kind
+    except ManifestError as e:
+        raise ValueError(f"{where}{' ' if where else ''}holds a manifest flashdraft cannot read ({e})") from None
 
 
 def _s3_probe(store) -> str:
@@ -345,17 +351,19 @@ def check_input(cfg: PipelineConfig, stage: str) -> Check:
     """The artifact `stage` starts from (the stage before's), committed locally or in the store, where the run
     will fetch it from: its manifest and kind, read now (its bytes are verified when the stage starts — re-hashing
     a dataset of many GB is the stage's work, not the preflight's)."""
-    from flashdraft.artifact.manifest import MANIFEST, ManifestError, parse_manifest
+    from flashdraft.artifact.manifest import MANIFEST
     from flashdraft.layout import STAGES, stage_dir, stage_url
 
     before = STAGES[STAGES.index(stage) - 1]
     kind, local = STAGE_KINDS[before], stage_dir(cfg.workdir, before)
 
+    def of_kind(raw: bytes, where: str) -> None:
+        if (theirs := manifest_kind(raw, where)) != kind:
+            raise ValueError(f"{where} holds a {theirs} artifact, not the {kind} {stage} reads")
+
     def found() -> str:
         if (local / MANIFEST).is_file():
-            theirs = parse_manifest((local / MANIFEST).read_bytes()).kind
-            if theirs != kind:
-                raise ValueError(f"{local} holds a {theirs} artifact, not the {kind} {stage} reads")
+            of_kind((local / MANIFEST).read_bytes(), str(local))
             return f"{kind} at {local}"
         if cfg.store:
             from flashdraft.artifact.store import open_store
@@ -363,12 +371,7 @@ def check_input(cfg: PipelineConfig, stage: str) -> Check:
             url = stage_url(cfg.store, before)
             raw = open_store(url).read_bytes(MANIFEST)
             if raw is not None:
-                try:
-                    theirs = parse_manifest(raw).kind
-                except ManifestError as e:
-                    raise ValueError(f"{url} holds a manifest flashdraft cannot read ({e})") from None
-                if theirs != kind:
-                    raise ValueError(f"{url} holds a {theirs} artifact, not the {kind} {stage} reads")
+                of_kind(raw, url)
                 return f"{kind} in the store at {url} (fetched and verified when {stage} starts)"
         where = f"{local}" + (f" nor in {stage_url(cfg.store, before)}" if cfg.store else "")
         raise ValueError(f"no {kind} at {where}: run --from {before}, or push it there")
