@@ -13,9 +13,9 @@ DSpark's is DeepSpec's: CE, L1 to the target's distribution and the confidence h
 AdamW (or Muon for the matrices), cosine schedule with warmup, grad clipping.
 
 `run` reads top to bottom: decide (done? resume?) → set up (target, data, drafter, optimizer) → loop →
-export. The pieces live beside it: `data` (checks, held-out pick, mask token, draft vocabulary), `step` (one
-sequence), `checkpoint` (save/load/latest/prune/ship), `feature_cache` (offline features), `distributed`
-(ranks, devices, DDP/FSDP), `metrics` (metrics.jsonl, TensorBoard, W&B).
+export. The pieces live beside it: `drafters` (a new one, or `--init-from`), `data` (checks, held-out pick, mask
+token, draft vocabulary), `step` (one sequence), `checkpoint` (save/load/latest/prune/ship), `feature_cache`
+(offline features), `distributed` (ranks, devices, DDP/FSDP), `metrics` (metrics.jsonl, TensorBoard, W&B).
 
 Output (`--out`): checkpoints/step-NNNNNNN/ (each an artifact; the newest that verifies is resumed, incomplete
 ones are ignored), metrics.jsonl, and drafter/ — the exported drafter (z-lab format, `drafter` artifact),
@@ -51,10 +51,8 @@ from flashdraft.artifact.ownership import adopt, claim_output, mark_output, now_
 from flashdraft.config import TrainConfig
 from flashdraft.errors import BadTrainingInput, ExpectedFailure
 from flashdraft.layout import CHECKPOINTS, DRAFTER
-from flashdraft.model.dflash2 import SETTINGS as DFLASH2_SETTINGS
-from flashdraft.model.dflash2 import DFlash2Drafter, dflash2_config, is_dflash2
 from flashdraft.model.drafter import DFlashDrafter, draft_config
-from flashdraft.model.dspark import DSparkDrafter, dspark_config, is_dspark
+from flashdraft.model.dspark import is_dspark
 from flashdraft.model.export import nonfinite_weights, save_drafter
 from flashdraft.model.objective import expected_acceptance_length
 from flashdraft.model.target import Target, attention_layers
@@ -90,11 +88,12 @@ from flashdraft.train.distributed import (
     place,
     wrap,
 )
+from flashdraft.train.drafters import import_drafter, new_drafter
 from flashdraft.train.metrics import MetricSinks, json_rates, mean_rates, selector_metrics, truncate_metrics
 from flashdraft.train.optim import Optimizers, build_optimizers
 from flashdraft.train.step import Planned, batch_step, evaluate_heldout, plan_batch, read_results
 
-__all__ = ["BadTrainingInput", "run"]
+__all__ = ["BadTrainingInput", "import_drafter", "run"]
 
 # Settings that say where or how output is kept, not what is trained: changing them keeps the lineage.
 NOT_LINEAGE = {"device", "target_device", "push_to", "push_attempts", "keep_checkpoints", "micro_batch", "prefetch"}
@@ -277,12 +276,7 @@ def setup(cfg: TrainConfig, data: Path, out: Path, target_path: str, where: Plac
                               mask_token_id=pick_mask_token(cfg, target.config, target.path, counts),
                               target_layer_ids=cfg.target_layer_ids, draft_vocab_size=cfg.draft_vocab_size,
                               sliding_window=cfg.sliding_window)
-        if cfg.architecture == "dflash2":
-            drafter = DFlash2Drafter(dflash2_config(config, target.config, **dflash2_settings(cfg)))
-        elif cfg.architecture == "dspark":
-            drafter = DSparkDrafter(dspark_config(config, **dspark_settings(cfg)))
-        else:
-            drafter = DFlashDrafter(config)
+        drafter = new_drafter(cfg, config, target.config)
         if cfg.init_from_target:
             drafter.init_from_target(attention_layers(target.decoder))
         if cfg.draft_vocab_size:
@@ -303,57 +297,6 @@ def setup(cfg: TrainConfig, data: Path, out: Path, target_path: str, where: Plac
     optimizers = build_optimizers(cfg, drafter, total_steps)
     return Setup(where, target, dataset, train_ids, heldout_ids, drafter, model, optimizers, cache,
                  steps_per_epoch, total_steps)
-
-
-def dflash2_settings(cfg: TrainConfig) -> dict:
-    return {name: getattr(cfg, name) for name in DFLASH2_SETTINGS}
-
-
-def dspark_settings(cfg: TrainConfig) -> dict:
-    return {"markov_rank": cfg.markov_rank, "markov_head": cfg.markov_head, "confidence_head": cfg.confidence_head,
-            "confidence_with_markov": cfg.confidence_with_markov, "num_anchors": cfg.max_anchors}
-
-
-def import_drafter(cfg: TrainConfig, target_config, say) -> DFlashDrafter:
-    """An existing z-lab-format drafter (a published one, to fine-tune on your data), checked against the
-    target: its shape, the target layers it reads and the vocabulary must be this target's. With
-    `train.architecture: dflash2`, a DFlash drafter is the backbone of a new DFlash2 one (warm start)."""
-    from flashdraft.model.export import load_drafter
-
-    path = cfg.init_from
-    if (Path(path) / MANIFEST).is_file():  # a drafter flashdraft exported: its bytes are checked before use
-        require_verified(path, "--init-from drafter", "re-export it (rerun `flashdraft train`) or pull it again")
-    else:
-        say(f"train: {path} has no manifest (a drafter from elsewhere): its files are not verified")
-    drafter = load_drafter(path)  # refuses weights that are not finite
-    c = drafter.config
-    mismatches = [f"{what} {mine} vs the target's {theirs}" for what, mine, theirs in (
-        ("hidden size", c.hidden_size, target_config.hidden_size),
-        ("target layer count", c.num_target_layers, target_config.num_hidden_layers),
-        ("vocabulary", c.vocab_size, target_config.vocab_size),
-    ) if mine != theirs]
-    if max(drafter.target_layer_ids) >= target_config.num_hidden_layers:
-        mismatches.append(f"target layers {drafter.target_layer_ids} beyond its {target_config.num_hidden_layers}")
-    if mismatches:
-        raise BadTrainingInput(f"--init-from {path} was made for another target: {'; '.join(mismatches)}")
-    kind = "DFlash2" if is_dflash2(drafter) else "DSpark" if is_dspark(drafter) else "DFlash"
-    wanted = {"dflash": "DFlash", "dflash2": "DFlash2", "dspark": "DSpark"}[cfg.architecture]
-    if kind != "DFlash" and kind != wanted:
-        raise BadTrainingInput(f"--init-from {path} is a {kind} drafter: set train.architecture: {kind.lower()} to "
-                               "train it further")
-    say(f"train: starting from {path} ({kind}): {len(drafter.layers)} layers, block {drafter.block_size}, target "
-        f"layers {drafter.target_layer_ids}, mask token {drafter.mask_token_id} (its settings, not train.num_layers "
-        "etc.)")
-    if cfg.architecture == "dflash2" and not is_dflash2(drafter):  # dflash2_config refuses what it cannot take
-        drafter = DFlash2Drafter.warm_start(drafter, target_config, **dflash2_settings(cfg))
-        say("train: DFlash2 warm start: the DFlash drafter's weights as the backbone, convolutions and candidate "
-            "selector at identity (it proposes what the DFlash drafter proposes until it trains)")
-    if cfg.architecture == "dspark" and not is_dspark(drafter):  # dspark_config refuses what it cannot take
-        drafter = DSparkDrafter.warm_start(drafter, **dspark_settings(cfg))
-        say("train: DSpark warm start: the DFlash drafter's weights as the backbone, the Markov head at zero and a "
-            "fresh confidence head (a DSpark slot predicts one position further than a DFlash one: the backbone "
-            "re-learns that)")
-    return drafter
 
 
 def loop(cfg: TrainConfig, s: Setup, position: dict, sinks: MetricSinks, shipper: CheckpointShipper,
