@@ -178,6 +178,11 @@ def test_a_block_the_context_cannot_hold_is_one_error_line(cli, tiny_target, tin
     assert run.stderr.count("error:") == 1 and "needs 5 positions" in run.stderr
     assert cli("train", "--config", str(config), "--data", str(tiny_dataset), "--out", str(tmp_path / "dflash"),
                "--max-steps", "1").returncode == 0  # DFlash's block of 4 fits in 4
+    fits = write_config(tmp_path / "fits.yaml", tiny_target, block_size=4, max_length=64, max_steps=1)
+    cli("train", "--architecture", "dspark", "--config", str(fits), "--data", str(tiny_dataset), "--out",
+        str(tmp_path / "tiny"), check=True)  # the CLI on a tiny random Qwen3: DeepSpec's contract, as above
+    exported = json.loads((tmp_path / "tiny" / "drafter" / "config.json").read_text())
+    assert DEEPSPEC_FIELDS <= exported.keys() and exported["architectures"] == ["Qwen3DSparkModel"]
 
 
 def test_a_resumed_dspark_run_ends_where_the_uninterrupted_one_does(tiny_target, tiny_dataset, tmp_path):
