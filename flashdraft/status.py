@@ -61,7 +61,7 @@ def store_row(stage: str, remote: str) -> dict[str, Any]:
     """The store's copy of a stage's artifact, told by what the store holds: verified (with the stats of the
     store's own manifest), not there or not verifying (`verified` False), or not checkable from here — no
     credentials, the endpoint down (`verified` None: "cannot check" is not "not verified")."""
-    from flashdraft.artifact.manifest import MANIFEST, ManifestError, parse_manifest
+    from flashdraft.artifact.manifest import MANIFEST, parse_manifest
     from flashdraft.artifact.store import StoreError, open_store
     from flashdraft.artifact.sync import verify_store
 
@@ -73,13 +73,10 @@ def store_row(stage: str, remote: str) -> dict[str, Any]:
         return {**row, "verified": None, "reason": f"cannot check: {e}"}
     if raw is None:
         return {**row, "verified": False, "reason": f"not there: no {MANIFEST} (never pushed, or deleted)"}
-    problems = verify_store(store)
+    problems = verify_store(store)  # a manifest that does not parse is one of its problems
     if problems:
         return {**row, "verified": False, "reason": str(problems[0])}
-    try:
-        stats = parse_manifest(raw).stats
-    except ManifestError:  # verify_store read the same bytes; kept apart only for its own error type
-        stats = {}
+    stats = parse_manifest(raw).stats
     return {**row, "verified": True, "reason": "listing and checksums match",
             "stats": {k: stats[k] for k in KEY_STATS[stage] if k in stats}}
 

@@ -86,9 +86,9 @@ def run(
 
         if cfg.temperature > 0:
             raise BadInput("eval.engine measures greedy acceptance: set eval.temperature 0")
-        from flashdraft.model.gguf_export import refuse_unservable
+        from flashdraft.model.gguf_export import served_spec_type
 
-        if refuse_unservable(json.loads((drafter_dir / "config.json").read_text()), drafter_dir) == "draft-dspark" \
+        if served_spec_type(json.loads((drafter_dir / "config.json").read_text()), drafter_dir) == "draft-dspark" \
                 and "vllm" in cfg.engines and cfg.engine_url is None and not torch.cuda.is_available():
             # vLLM 0.32 drafts DSpark on its V2 GPU model runner only; its CPU build's V1 runner refuses it at start
             raise BadInput("vLLM serves DSpark drafters on its GPU model runner only (its CPU build says \"Model "

@@ -67,22 +67,23 @@ def dspark_summary(per_prompt: list[dict], block_size: int, cfg: EvalConfig) -> 
     its calibration by slot (the mean σ(c_k) it gave a slot that verification reached, beside how often that
     slot's draft was then accepted). With `eval.confidence_threshold`, the same for the blocks uncut, beside τ."""
     def figures(accepted_key: str, proposed_key: str, confidence_key: str) -> dict[str, Any]:
-        steps = [(n, m) for r in per_prompt for n, m in zip(r[accepted_key], r[proposed_key], strict=True)]
+        accepted = [n for r in per_prompt for n in r[accepted_key]]
+        proposed = [m for r in per_prompt for m in r[proposed_key]]
+        # a step's confidences are there only with a head: without, zip stops at once
+        values_by_step = [values for r in per_prompt for values in r[confidence_key]]
         predicted, reached, taken = [0.0] * block_size, [0] * block_size, [0] * block_size
-        for r in per_prompt:
-            for n, m, values in zip(r[accepted_key], r[proposed_key], r[confidence_key], strict=False):
-                for slot in range(min(m, len(values))):
-                    if n >= slot:  # every draft before this slot was accepted: verification judged this one
-                        reached[slot] += 1
-                        predicted[slot] += values[slot]
-                        taken[slot] += n > slot
+        for n, m, values in zip(accepted, proposed, values_by_step, strict=False):
+            for slot in range(min(m, n + 1)):  # every draft before this slot was accepted: verification judged it
+                reached[slot] += 1
+                predicted[slot] += values[slot]
+                taken[slot] += n > slot
         return {
-            "acceptance_length": round(acceptance_length([n for n, _ in steps]), 4),
-            "mean_proposed": round(sum(m for _, m in steps) / len(steps), 4) if steps else None,
+            "acceptance_length": round(acceptance_length(accepted), 4),
+            "mean_proposed": round(sum(proposed) / len(proposed), 4) if proposed else None,
             "calibration_by_slot": [{"slot": k, "reached": reached[k],
                                      "confidence": round(predicted[k] / reached[k], 4) if reached[k] else None,
                                      "accepted": round(taken[k] / reached[k], 4) if reached[k] else None}
-                                    for k in range(block_size)] if any(r[confidence_key] for r in per_prompt) else None,
+                                    for k in range(block_size)] if values_by_step else None,
         }
 
     out = {"threshold": cfg.confidence_threshold, "rule": cfg.confidence_rule if cfg.confidence_threshold else None,

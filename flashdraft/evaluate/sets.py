@@ -105,11 +105,11 @@ def _rows(name: str, spec: dict[str, Any], path: str | None):
         from datasets import load_dataset
 
         hub = spec["hub"]
-        reachable = go_offline_unless_the_hub_answers()
+        unreachable = go_offline_unless_the_hub_answers()
         try:
             rows = load_dataset(*hub, split=spec["split"])
         except Exception as e:  # offline, a wrong name, a hub outage: all the same to the user
-            where = "from the hub" + ("" if reachable else f" ({reachable.host} unreachable, or offline mode on)")
+            where = "from the hub" + (f" ({unreachable} unreachable, or offline mode on)" if unreachable else "")
             raise BadInput(f"{name}: cannot load {_hub_name(spec)} {where} "
                            f"({type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else 'no detail'}); "
                            f"copy it where this machine can read it and pass --prompts {name}=PATH") from None
@@ -122,21 +122,11 @@ def _rows(name: str, spec: dict[str, Any], path: str | None):
         yield number, record  # a line that is not JSON comes as its BadRecord, rejected with the others
 
 
-class HubCheck:
-    """Whether the hub answered a TCP connection within a few seconds (truthy), and which host was tried."""
-
-    def __init__(self, host: str, answered: bool) -> None:
-        self.host, self.answered = host, answered
-
-    def __bool__(self) -> bool:
-        return self.answered
-
-
-def go_offline_unless_the_hub_answers(timeout_s: float = 3.0) -> HubCheck:
+def go_offline_unless_the_hub_answers(timeout_s: float = 3.0) -> str | None:
     """A machine that cannot reach the hub would sit through datasets' retries (6 tries, about 25 s, a warning line
     each) before the one-line error: when the hub's host does not accept a connection within `timeout_s`, datasets
     and huggingface_hub are put in offline mode for this process instead, so a set already in the local cache still
-    loads and a missing one fails at once."""
+    loads and a missing one fails at once. Returns the hub's host when it is offline now, else None."""
     import socket
     from urllib.parse import urlparse
 
@@ -146,13 +136,13 @@ def go_offline_unless_the_hub_answers(timeout_s: float = 3.0) -> HubCheck:
     endpoint = urlparse(huggingface_hub.constants.ENDPOINT)
     host, port = endpoint.hostname or "huggingface.co", endpoint.port or (80 if endpoint.scheme == "http" else 443)
     if datasets.config.HF_HUB_OFFLINE:
-        return HubCheck(host, False)
+        return host
     try:
         socket.create_connection((host, port), timeout=timeout_s).close()
-        return HubCheck(host, True)
+        return None
     except OSError:
         datasets.config.HF_HUB_OFFLINE = huggingface_hub.constants.HF_HUB_OFFLINE = True
-        return HubCheck(host, False)
+        return host
 
 
 def _hub_name(spec: dict[str, Any]) -> str:

@@ -53,7 +53,7 @@ def convert(model_dir: Path, outfile: Path, outtype: str, target_dir: Path | Non
         raise ExpectedFailure(f"llama.cpp's converter refused {model_dir}: {reason[:300]}")
 
 
-def refuse_unservable(config: dict, drafter_dir: Path) -> str:
+def served_spec_type(config: dict, drafter_dir: Path) -> str:
     """llama.cpp's speculative type for this drafter (`draft-dspark` for a DSpark one, else `draft-dflash`); a DSpark
     Markov head llama.cpp cannot run (gated, rnn: its graph has the vanilla bias only) is refused before any
     work, not converted into a file that would be misread."""
@@ -90,7 +90,7 @@ def export_gguf(drafter_dir: Path, target_ref: str, out: Path, *, outtype: str =
     if (drafter_dir / "manifest.json").exists():
         require_verified(drafter_dir, "drafter", "re-export it (rerun `flashdraft train`) or pull it again")
     config = json.loads((drafter_dir / "config.json").read_text())
-    spec_type = refuse_unservable(config, drafter_dir)
+    spec_type = served_spec_type(config, drafter_dir)
     stats = {"format": "gguf", "outtype": outtype, "target": target, "drafter_file": DRAFTER_FILE,
              "target_file": f"target-{outtype}.gguf", "draft_vocab_size": config.get("draft_vocab_size"),
              "spec_type": spec_type}

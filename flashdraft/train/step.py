@@ -213,14 +213,15 @@ def batch_step(model, target: Target, rows: list, cfg: TrainConfig, generators: 
             head = head.to(hidden.dtype)
         logits_BSV = drafter.unary_logits(to_device(to_device(hidden, head.device) @ head.T, device))
     with record_function("flashdraft.loss"):
+        dspark = is_dspark(drafter)
         for b, (i, *_) in enumerate(live):
-            result = dspark_result if is_dspark(drafter) else sequence_result
-            results[i] = result(drafter, cfg, plan, blocks, b, logits_BSV, hidden, device, target)
+            results[i] = (dspark_result(drafter, cfg, plan, blocks, b, logits_BSV, hidden, device, target) if dspark
+                          else sequence_result(drafter, cfg, plan, blocks, b, logits_BSV, hidden, device))
     return read_results(results)[0] if read else results
 
 
 def sequence_result(drafter: DFlashDrafter, cfg: TrainConfig, plan: Planned, blocks: Blocks, b: int,
-                    logits_BSV: torch.Tensor, hidden: torch.Tensor, device, target: Target | None = None) -> dict:
+                    logits_BSV: torch.Tensor, hidden: torch.Tensor, device) -> dict:
     """Live sequence `b` of a micro-batch: its loss (with grad) and its stats, device tensors not yet read."""
     _, ids_T, _, anchors = plan.live[b]
     k = drafter.block_size
