@@ -76,6 +76,7 @@ from flashdraft.train.data import (
     choose_draft_vocab,
     load_dataset_checked,
     pick_mask_token,
+    require_a_block,
     run_split,
     token_counts,
 )
@@ -265,6 +266,8 @@ def setup(cfg: TrainConfig, data: Path, out: Path, target_path: str, where: Plac
     counts = token_counts(data, dataset, where.world)
     check_token_ids(counts, target.config.vocab_size)
     train_ids, heldout_ids, free = run_split(dataset, cfg)
+    dspark = is_dspark(imported) if imported is not None else cfg.architecture == "dspark"
+    require_a_block(dataset, train_ids, block_size, cfg.max_length, from_anchor=dspark)
     if free is not None and heldout_ids:
         say(f"train: held out {len(heldout_ids)} samples, {int(free[heldout_ids].sum())} of them without kin in "
             "training (no other prompt opens with their first three words), as eval's held-out prompts are written")

@@ -79,6 +79,24 @@ def check_tokenizer(dataset_vocab: str | None, target_path: str) -> None:
 SELECTOR_BYTES_LIMIT = 8 << 30  # DFlash2's codebooks (float32, with AdamW's two moments) past this are a typo
 
 
+def require_a_block(dataset, indices: list[int], block_size: int, max_length: int, from_anchor: bool) -> None:
+    """Some training sample has a block to train on: a supervised anchor with its block inside the sequence (DSpark:
+    the next token supervised too, and K labels after it), as `plan_batch` draws them. Without one, every step
+    would train on nothing and the run would still end "done". The scan stops at the first sample that has one
+    (almost always the first)."""
+    import torch
+
+    for index in indices:
+        mask = torch.as_tensor(dataset[index]["loss_mask"][:max_length]).bool()
+        eligible = mask[:-1] & mask[1:] if from_anchor else mask
+        if bool(eligible[: max(0, len(eligible) - block_size + 1)].any()):
+            return
+    anchor = "a supervised anchor followed by a supervised token" if from_anchor else "a supervised anchor"
+    room = f"its {block_size} labels" if from_anchor else f"its block of {block_size}"
+    raise BadTrainingInput(f"no training sample has a block to train on ({anchor}, with {room} inside the sample's "
+                           f"first {max_length:,} tokens): use longer samples or a smaller train.block_size")
+
+
 def check_against_target(cfg: TrainConfig, target_config) -> None:
     """The settings whose range is the target's: layer ids inside it, a mask token, vocabulary sizes and the
     distillation top-k inside its vocabulary, a DFlash2 selector that fits in memory. Refused in one line before

@@ -176,13 +176,30 @@ def test_a_block_the_context_cannot_hold_is_one_error_line(cli, tiny_target, tin
               str(tmp_path / "out"))
     assert run.returncode == 1 and "Traceback" not in run.stderr
     assert run.stderr.count("error:") == 1 and "needs 5 positions" in run.stderr
-    assert cli("train", "--config", str(config), "--data", str(tiny_dataset), "--out", str(tmp_path / "dflash"),
-               "--max-steps", "1").returncode == 0  # DFlash's block of 4 fits in 4
+    dflash = cli("train", "--config", str(config), "--data", str(tiny_dataset), "--out", str(tmp_path / "dflash"),
+                 "--max-steps", "1")  # DFlash's block of 4 fits in 4 positions, but no sample has one there
+    assert "needs" not in dflash.stderr and "no training sample has a block to train on" in dflash.stderr
     fits = write_config(tmp_path / "fits.yaml", tiny_target, block_size=4, max_length=64, max_steps=1)
     cli("train", "--architecture", "dspark", "--config", str(fits), "--data", str(tiny_dataset), "--out",
         str(tmp_path / "tiny"), check=True)  # the CLI on a tiny random Qwen3: DeepSpec's contract, as above
     exported = json.loads((tmp_path / "tiny" / "drafter" / "config.json").read_text())
     assert DEEPSPEC_FIELDS <= exported.keys() and exported["architectures"] == ["Qwen3DSparkModel"]
+
+
+@pytest.mark.parametrize("architecture", ["dflash", "dspark"])
+def test_a_dataset_with_no_block_to_train_on_is_refused_not_trained_on_nothing(cli, tiny_target, tmp_path,
+                                                                              architecture):
+    """The smallest input: one sample of 6 tokens, 2 supervised. No block of 4 fits after a supervised anchor, so
+    every step would train on nothing and the run still say done: one line instead, before any step, no output."""
+    from tests.train.test_train import make_dataset, write_config
+
+    data = make_dataset(tmp_path / "tiny", [[5, 6, 7, 8, 9, 10]], prompt_len=4)
+    config = write_config(tmp_path / "c.yaml", tiny_target, block_size=4, max_steps=2, eval_samples=0)
+    run_ = cli("train", "--architecture", architecture, "--config", str(config), "--data", str(data), "--out",
+               str(tmp_path / "out"))
+    assert run_.returncode == 1 and "Traceback" not in run_.stderr
+    assert "no training sample has a block to train on" in run_.stderr
+    assert not (tmp_path / "out" / "drafter").exists()
 
 
 def test_a_resumed_dspark_run_ends_where_the_uninterrupted_one_does(tiny_target, tiny_dataset, tmp_path):
