@@ -366,10 +366,13 @@ def check_input(cfg: PipelineConfig, stage: str) -> Check:
             of_kind((local / MANIFEST).read_bytes(), str(local))
             return f"{kind} at {local}"
         if cfg.store:
-            from flashdraft.artifact.store import open_store
+            from flashdraft.artifact.store import StoreError, open_store
 
             url = stage_url(cfg.store, before)
-            raw = open_store(url).read_bytes(MANIFEST)
+            try:
+                raw = open_store(url).read_bytes(MANIFEST)
+            except StoreError as e:  # said with where it looked: the store's own message names only the file
+                raise ValueError(f"not at {local}, and {url} cannot be read: {e}") from None
             if raw is not None:
                 of_kind(raw, url)
                 return f"{kind} in the store at {url} (fetched and verified when {stage} starts)"
