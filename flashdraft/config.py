@@ -77,7 +77,10 @@ class GenerateConfig(Section):
 
 class TokenizeConfig(Section):
     tokenizer: str = EMBEDDED_TARGET
-    max_length: Positive = 3072
+    max_length: Positive = 3072  # tokens a sample keeps; the rest is cut (counted: stats truncated_tokens)
+    # a completion generate stopped at max_new_tokens: "keep" its tokens (the target's own; the closing
+    # end-of-turn the chat template adds is not supervised, the target never wrote it) or "drop" it (rejected.jsonl)
+    length_capped: Literal["keep", "drop"] = "keep"
     workers: NonNegative = 0  # 0 = all cores
     min_loss_fraction: Fraction = 0.3
     block_size: BlockSize = 16
@@ -173,9 +176,18 @@ class TrainConfig(Section):
     device: str | None = None  # drafter device; None: cuda if available, else cpu; "a;b": one per local rank
     target_device: str | None = None  # "cuda:0,cuda:1" spreads the target; "cuda:0;cuda:1" one per local rank
     fsdp: bool = False  # shard the drafter with FSDP instead of DDP under torchrun
+    # training processes on this node: > 1 makes `train` and `run` start them under torchrun themselves
+    # (`--standalone`), each with its entry of a "a;b" device setting (the 2 + 2 split: target_device
+    # "cuda:0;cuda:1", device "cuda:2;cuda:3"). Several nodes: start `torchrun … -m flashdraft train` yourself.
+    nproc_per_node: Annotated[int, Field(ge=1, le=64)] = 1
 
     @model_validator(mode="after")
     def _one_weighting(self) -> TrainConfig:
+        for name in ("device", "target_device"):
+            spec = getattr(self, name)
+            if spec and ";" in spec and len(spec.split(";")) < self.nproc_per_node:
+                raise ValueError(f"{name} {spec!r} has {len(spec.split(';'))} per-process entries for "
+                                 f"nproc_per_node {self.nproc_per_node}: give one per process")
         if self.labels == "target" and self.features == "offline" and not self.distill_topk:
             raise ValueError("labels: target with features: offline reads the target's argmax from the cache's "
                              "top-k: set distill_topk ≥ 1 (and distill_weight: 0 for the hard labels only)")

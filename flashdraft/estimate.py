@@ -5,7 +5,9 @@
 Counts the prompts (or takes `--num-prompts` when the prompt file lives elsewhere), measures their length
 with the tokenizer when it is on this machine (else ≈ 4 characters per token, and says so), and reads the
 target's shape from its config (local, the HF cache, or `--target-config`). Completion lengths are taken at
-their bound (`max_new_tokens`): disk is planned for the worst case, and reasoning runs often come close.
+their bound (`max_new_tokens`): disk is planned for the worst case, and reasoning runs often come close; with
+`--mean-new-tokens N` (what a run like it measured: generate's stats) the generation hours are also given at that mean.
+Training hours are per node of `train.nproc_per_node` processes; `--train-hours H` says what fits in H hours.
 """
 
 from __future__ import annotations
@@ -180,12 +182,19 @@ def estimate(
     num_prompts: int | None = None,
     target_config: Path | None = None,
     tokens_per_s: float | None = None,
+    mean_new_tokens: int | None = None,
+    train_hours: float | None = None,
 ) -> dict[str, Any]:
     g, t, tr = cfg.generate, cfg.tokenize, cfg.train
     if num_prompts is not None and num_prompts < 1:
         raise EstimateError(f"--num-prompts must be at least 1 (got {num_prompts})")
     if tokens_per_s is not None and tokens_per_s <= 0:
         raise EstimateError(f"--tokens-per-s must be above 0 (got {tokens_per_s:g})")
+    if mean_new_tokens is not None and not 1 <= mean_new_tokens <= g.max_new_tokens:
+        raise EstimateError(f"--mean-new-tokens must be from 1 to generate.max_new_tokens {g.max_new_tokens:,} "
+                            f"(got {mean_new_tokens:,})")
+    if train_hours is not None and not (math.isfinite(train_hours) and train_hours > 0):
+        raise EstimateError(f"--train-hours must be a number of hours above 0 (got {train_hours:g})")
     if num_prompts is None:
         count, prompt_tokens, how = prompt_lengths(g.prompts, t.tokenizer)
     else:
@@ -199,13 +208,24 @@ def estimate(
     dataset_tokens = int(count * per_sample)
     layer_ids = tr.target_layer_ids or uniform_layer_ids(shape.layers, tr.num_layers)
     params = drafter_params(shape, tr.num_layers, len(layer_ids), tr)
-    steps = tr.max_steps or math.ceil(count / tr.batch_size) * tr.epochs  # max_steps, when set, is the run's length
+    procs = tr.nproc_per_node
+    # each process takes batch_size sequences a step; max_steps, when set, is the run's length
+    steps = tr.max_steps or math.ceil(count / (tr.batch_size * procs)) * tr.epochs
     rate = tokens_per_s if tokens_per_s is not None else DEFAULT_TOKENS_PER_S[g.backend] * max(1, len(g.base_urls))
     step_s = REFERENCE_STEP_S * (2 * shape.layers * layer_params(shape) + 6 * params) / (
         2 * REFERENCE_TARGET_LAYER_PARAMS + 6 * REFERENCE_DRAFTER) * tr.batch_size / REFERENCE_BATCH
     # speculative, then target-only, on each prompt set; a two-turn set (mt-bench) decodes twice a prompt
     eval_turns = sum(cfg.eval.max_prompts * eval_turns_per_prompt(source) for source in cfg.eval.sources)
     eval_tokens = 2 * eval_turns * cfg.eval.max_new_tokens
+    # A sample is the prompt and its completion; tokenize keeps max_length of it and throws the rest away.
+    longest_sample = prompt_tokens + g.max_new_tokens
+    cut_share = max(0.0, (longest_sample - t.max_length) / g.max_new_tokens)
+    hours = steps * step_s / 3600
+    fits = None
+    if train_hours is not None:
+        fit_steps = int(train_hours * 3600 / step_s)
+        fits = {"hours": train_hours, "max_steps": fit_steps,
+                "epochs": round(fit_steps * tr.batch_size * procs / count, 2)}
     return {
         "prompts": count,
         "prompt_tokens_mean": round(prompt_tokens, 1),
@@ -213,6 +233,10 @@ def estimate(
         "completion_tokens_max": completion_tokens,
         "generation_hours": round(completion_tokens / rate / 3600, 2),
         "generation_tokens_per_s": rate,
+        "generation_hours_at_mean": round(count * mean_new_tokens / rate / 3600, 2) if mean_new_tokens else None,
+        "mean_new_tokens": mean_new_tokens,
+        "longest_sample_tokens": round(longest_sample),
+        "completion_share_cut_max": round(cut_share, 3),
         "completions_bytes": int(count * (RECORD_OVERHEAD_BYTES + prompt_tokens * CHARS_PER_TOKEN)
                                  + completion_tokens * (CHARS_PER_TOKEN + JSON_BYTES_PER_TOKEN_ID)),
         "dataset_tokens": dataset_tokens,
@@ -223,9 +247,12 @@ def estimate(
         "checkpoints_kept": tr.keep_checkpoints,
         "checkpoints_bytes": params * CHECKPOINT_BYTES_PER_PARAM * tr.keep_checkpoints,
         "drafter_bytes": params * 4,
-        "train_steps_one_process": steps,
+        "train_processes": procs,
+        "train_steps": steps,
         "train_step_s": round(step_s, 3),
-        "train_hours_one_process": round(steps * step_s / 3600, 1),
+        "train_hours": round(hours, 1),
+        "train_gpu_hours": round(hours * procs, 1),
+        "train_fits": fits,
         "eval_hours": round(eval_tokens / EVAL_TOKENS_PER_S / 3600, 2),
         "target": {"layers": shape.layers, "hidden": shape.hidden, "vocab": shape.vocab, "from": shape.source},
         "target_layer_ids": layer_ids,
@@ -249,7 +276,10 @@ def describe(est: dict[str, Any], cfg: PipelineConfig) -> list[str]:
         f"{est['prompt_tokens_measured']})",
         f"generate: up to {est['completion_tokens_max']:,} completion tokens "
         f"({cfg.generate.max_new_tokens:,} max new tokens each) ≈ {est['generation_hours']:,} hours at "
-        f"{est['generation_tokens_per_s']:,.0f} tokens/s in total (--tokens-per-s to change)",
+        f"{est['generation_tokens_per_s']:,.0f} tokens/s in total (--tokens-per-s to change); "
+        + (f"at a mean of {est['mean_new_tokens']:,} new tokens ≈ {est['generation_hours_at_mean']:,} hours"
+           if est["mean_new_tokens"] else "the worst case: --mean-new-tokens N gives the hours at a measured mean"),
+        cut_line(est, cfg),
         f"disk, completions: {b(est['completions_bytes'])}",
         f"disk, dataset: {b(est['dataset_bytes'])} ({est['dataset_tokens']:,} tokens at max length "
         f"{cfg.tokenize.max_length:,})",
@@ -261,19 +291,44 @@ def describe(est: dict[str, Any], cfg: PipelineConfig) -> list[str]:
         f"disk, checkpoints: {b(est['checkpoints_bytes'])} ({est['checkpoints_kept']} kept × "
         f"{b(est['checkpoint_bytes'])}: {est['drafter_params'] / 1e6:,.1f}M drafter params with AdamW state)",
         f"disk, exported drafter: {b(est['drafter_bytes'])}",
-        f"train: {est['train_steps_one_process']:,} optimizer steps on one process ("
-        + (f"max_steps, ≈ {cfg.train.max_steps * cfg.train.batch_size / max(1, est['prompts']):,.1f} epochs"
-           if cfg.train.max_steps else f"{cfg.train.epochs} epochs")
-        + f", batch {cfg.train.batch_size}); divide by the number of torchrun processes",
-        f"train: ≈ {est['train_hours_one_process']:,} hours on one GPU process at ≈ {est['train_step_s']:.2f} s a step "
-        f"(the step measured on one H200 — 1.18 s, batch 4, a 1.05B drafter of a Qwen3-8B-shaped target, online — "
-        "scaled by this target's and drafter's training FLOPs and the batch)",
+        f"train: {est['train_steps']:,} optimizer steps of {est['train_processes']} process(es) × batch "
+        f"{cfg.train.batch_size} ("
+        + (f"max_steps, ≈ {est['train_steps'] * cfg.train.batch_size * est['train_processes'] / est['prompts']:,.2f} "
+           "epochs" if cfg.train.max_steps else f"{cfg.train.epochs} epoch(s)")
+        + f", train.nproc_per_node {est['train_processes']})",
+        f"train: ≈ {est['train_hours']:,} hours ({est['train_gpu_hours']:,} drafter GPU-hours) at ≈ "
+        f"{est['train_step_s']:.2f} s a step (the step measured on one H200 — 1.18 s, batch 4, a 1.05B drafter of a "
+        "Qwen3-8B-shaped target, online — scaled by this target's and drafter's training FLOPs and the batch)",
+        *fit_line(est),
         f"eval: ≈ {est['eval_hours']} hours ({len(cfg.eval.sources)} prompt set(s) × {cfg.eval.max_prompts} prompts "
         f"× {cfg.eval.max_new_tokens} tokens a turn, "
         f"speculative and target-only, at ~{EVAL_TOKENS_PER_S:.0f} tokens/s: eval's HF decoding measured on an H200)",
         f"target: {est['target']['layers']} layers, hidden {est['target']['hidden']:,}, vocab "
         f"{est['target']['vocab']:,} (from {est['target']['from']}); features from layers {est['target_layer_ids']}",
     ]
+
+
+def cut_line(est: dict[str, Any], cfg: PipelineConfig) -> str:
+    """Whether tokenize keeps what generate writes: tokens generated past max_length are GPU time thrown away."""
+    longest, keep = est["longest_sample_tokens"], cfg.tokenize.max_length
+    if not est["completion_share_cut_max"]:
+        return (f"tokenize: a sample is at most ≈ {longest:,} tokens (mean prompt + max_new_tokens); max_length "
+                f"{keep:,} keeps all of it")
+    return (f"tokenize: WARNING a sample may reach ≈ {longest:,} tokens (mean prompt + max_new_tokens) and max_length "
+            f"{keep:,} keeps the first {keep:,}: up to {est['completion_share_cut_max']:.0%} of a completion is "
+            f"generated, then thrown away. Set generate.max_new_tokens ≈ "
+            f"{max(1, keep - est['prompt_tokens_mean']):,.0f} (max_length − the mean prompt), or raise "
+            "tokenize.max_length and train.max_length")
+
+
+def fit_line(est: dict[str, Any]) -> list[str]:
+    fits = est["train_fits"]
+    if fits is None:
+        return []
+    if est["train_hours"] <= fits["hours"]:
+        return [f"train: fits in {fits['hours']:,g} hours"]
+    return [f"train: to fit in {fits['hours']:,g} hours, set train.max_steps: {fits['max_steps']:,} (≈ "
+            f"{fits['epochs']:,} epochs of these prompts), or add processes (train.nproc_per_node, torchrun nodes)"]
 
 
 def eval_turns_per_prompt(source: str) -> int:

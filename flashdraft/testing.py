@@ -102,12 +102,12 @@ def seaweed_server(data: Path, bucket: str = "flashdraft", timeout: float = 60) 
 
 
 @contextmanager
-def transformers_serve(model: str, log: Path, timeout: float = 180) -> Iterator[str]:
-    """`transformers serve MODEL` on a free loopback port, healthy before yielding its base URL (the tests'
-    OpenAI-compatible server); stopped with its process group afterwards."""
+def transformers_serve(model: str, log: Path, timeout: float = 180, port: int | None = None) -> Iterator[str]:
+    """`transformers serve MODEL` on a free loopback port (or `port`), healthy before yielding its base URL (the
+    tests' OpenAI-compatible server); stopped with its process group afterwards."""
     import urllib.request
 
-    port = free_port_block(1)[0]
+    port = port or free_port_block(1)[0]
     server = subprocess.Popen([os.path.join(os.path.dirname(sys.executable), "transformers"), "serve", model,
                                "--host", "127.0.0.1", "--port", str(port)], stdout=open(log, "w"),
                               stderr=subprocess.STDOUT, start_new_session=True)

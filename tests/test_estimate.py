@@ -50,7 +50,7 @@ def test_estimate_of_a_local_config_matches_the_real_drafter(cli, tmp_path, tiny
     assert est["checkpoints_bytes"] == 2 * 12 * est["drafter_params"]
     hidden, layers = 32, len(est["target_layer_ids"])
     assert est["offline_features_bytes"] == est["dataset_tokens"] * layers * hidden * 2
-    assert est["train_steps_one_process"] == 3 * 3  # 12 samples / batch 4, 3 epochs
+    assert est["train_steps"] == 3 * 3  # 12 samples / batch 4, 3 epochs
 
 
 def test_estimate_counts_a_dflash2_drafter_as_built(tiny_model_dir):
@@ -105,8 +105,9 @@ def test_estimate_counts_max_steps_when_set(cli):
     text = cli("estimate", demo, check=True).stdout
     steps = DEMO_SETTINGS["train.max_steps"]
     epochs = steps / -(-DEMO_SETTINGS["generate.max_prompts"] // DEMO_SETTINGS["train.batch_size"])
-    assert _last_json(cli("estimate", demo, "--json", check=True))["train_steps_one_process"] == steps
-    assert f"train: {steps:,} optimizer steps on one process (max_steps, ≈ {epochs:.1f} epochs, batch 4)" in text
+    assert _last_json(cli("estimate", demo, "--json", check=True))["train_steps"] == steps
+    assert (f"train: {steps:,} optimizer steps of 1 process(es) × batch 4 (max_steps, ≈ {epochs:.2f} epochs, "
+            "train.nproc_per_node 1)") in text
 
 
 def test_estimate_of_the_8b_example_states_rate_and_sizes(cli, tmp_path):
@@ -137,17 +138,7 @@ def test_estimate_says_what_it_is_missing(cli, tmp_path):
 
 # A Qwen3.5/3.6-27B checkpoint's config.json: VLM-wrapped (text settings under text_config), hybrid (three Gated
 # DeltaNet layers to each full-attention layer), partial RoPE. Shape as published for Qwen3.5-27B.
-QWEN3_6_27B = {
-    "architectures": ["Qwen3_5ForConditionalGeneration"],
-    "model_type": "qwen3_5",
-    "text_config": {
-        "model_type": "qwen3_5_text", "hidden_size": 5120, "intermediate_size": 17408, "num_hidden_layers": 64,
-        "num_attention_heads": 24, "num_key_value_heads": 4, "head_dim": 256, "vocab_size": 248320,
-        "layer_types": ["linear_attention"] * 3 + ["full_attention"], "full_attention_interval": 4,
-        "rope_parameters": {"rope_type": "default", "rope_theta": 10000000, "partial_rotary_factor": 0.25},
-    },
-    "vision_config": {"depth": 27, "hidden_size": 1152},
-}
+QWEN3_6_27B = json.loads((Path(__file__).parent / "assets" / "qwen3.6-27b-config.json").read_text())
 
 
 def test_estimate_of_the_27b_example_reads_the_text_config(cli, tmp_path):
@@ -174,7 +165,7 @@ def test_estimate_gives_training_and_eval_hours_from_the_measured_step(cli, tmp_
         est = _last_json(cli("estimate", str(EXAMPLES / example), "--num-prompts", "1000", "--target-config",
                              str(target), "--json", check=True))
         steps[name] = est["train_step_s"] * 4 / load_config(EXAMPLES / example).train.batch_size  # at batch 4
-        assert est["train_hours_one_process"] == round(est["train_steps_one_process"] * est["train_step_s"] / 3600, 1)
+        assert est["train_hours"] == round(est["train_steps"] * est["train_step_s"] / 3600, 1)
         assert est["eval_hours"] > 0
     assert abs(steps["8b"] - 1.18) < 0.05 and steps["27b"] > 2 * steps["8b"]
 

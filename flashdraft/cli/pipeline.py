@@ -120,6 +120,14 @@ def estimate(
     tokens_per_s: Annotated[
         float | None, typer.Option(help="Total generation rate to plan with (default: per backend, stated).")
     ] = None,
+    mean_new_tokens: Annotated[
+        int | None, typer.Option(help="Mean completion length to give generation hours at (a similar run's "
+                                      "completion_tokens / records); default: the worst case only.")
+    ] = None,
+    train_hours: Annotated[
+        float | None, typer.Option(help="Training budget in hours: says whether the config fits, else the "
+                                        "train.max_steps that does.")
+    ] = None,
     json_out: JsonFlag = False,
 ) -> None:
     """Tokens, disk and hours the pipeline will need, before anything runs."""
@@ -127,7 +135,8 @@ def estimate(
     from flashdraft.estimate import estimate as compute
 
     cfg = load_config(config_file, {})
-    est = compute(cfg, num_prompts=num_prompts, target_config=target_config, tokens_per_s=tokens_per_s)
+    est = compute(cfg, num_prompts=num_prompts, target_config=target_config, tokens_per_s=tokens_per_s,
+                  mean_new_tokens=mean_new_tokens, train_hours=train_hours)
     for line in describe(est, cfg):
         human(json_out).print(line)
     if json_out:

@@ -14,7 +14,9 @@ after it (a newline) is not. Tokens are never re-encoded per prefix.
 Output: the `datasets.save_to_disk` layout (`datasets.load_from_disk` opens it) with columns `id`,
 `input_ids` (int32), `loss_mask` (uint8), `num_tokens`, `prompt_opening` (a key of the first user turn's first
 words: train holds out samples whose key no other sample shares); manifest stats `samples`, `tokens`, `loss_tokens`,
-`loss_fraction`, `rejected`, `truncated`, `anchor_valid_samples`, a length histogram and per-shard stats,
+`loss_fraction`, `rejected`, `truncated` (samples cut at `max_length`) with `truncated_tokens` (the tokens cut
+away), `length_capped` (completions generate stopped at `max_new_tokens`: kept, their template-added end-of-turn
+unsupervised, or dropped with `length_capped: drop`), `anchor_valid_samples`, a length histogram and per-shard stats,
 `longest`, `largest_token_id`; `token_counts.safetensors` counts each token id (in all and where supervised).
 """
 
@@ -101,10 +103,20 @@ def run(
             _gate(stats, cfg, out)
     log(
         f"tokenize: done, verified — {out}: {stats['samples']} samples, {stats['tokens']:,} tokens, "
-        f"{stats['loss_fraction']:.1%} supervised, {stats['rejected']} rejected, {stats['truncated']} truncated, "
-        f"{stats['anchor_valid_samples']} with a full block of supervised tokens"
+        f"{stats['loss_fraction']:.1%} supervised, {stats['rejected']} rejected, {stats['anchor_valid_samples']} "
+        f"with a full block of supervised tokens; {cut_summary(stats, cfg)}"
     )
     return stats
+
+
+def cut_summary(stats: dict[str, Any], cfg: TokenizeConfig) -> str:
+    """What the length limits cost, said every time: samples cut at max_length and the share of tokens thrown
+    away, and completions generate stopped at max_new_tokens (kept or dropped)."""
+    cut = stats.get("truncated_tokens", 0)
+    share = cut / (stats["tokens"] + cut) if stats["tokens"] + cut else 0.0
+    capped, fate = stats.get("length_capped", 0), "dropped" if cfg.length_capped == "drop" else "kept"
+    return (f"{stats['truncated']} cut at max_length {cfg.max_length:,} ({cut:,} tokens, {share:.1%} of all, "
+            f"thrown away), {capped} length-capped by generate ({fate})")
 
 
 def load_tokenizer_here(init: tuple) -> None:
@@ -173,6 +185,8 @@ def build(cfg: TokenizeConfig, records: Iterator, out: Path, init: tuple, lineag
         "rejected": len(totals.rejected),
         "duplicates": duplicates,
         "truncated": totals.truncated,
+        "truncated_tokens": totals.truncated_tokens,
+        "length_capped": totals.length_capped,
         "anchor_valid_samples": anchor_valid,
         "block_size": cfg.block_size,
         "prompt_token_mismatches": totals.prompt_mismatches,

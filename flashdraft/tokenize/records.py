@@ -26,6 +26,8 @@ class Conversation:
     thinking: bool  # enable_thinking as the completion was generated
     final_only: bool  # train on the last assistant turn only (the others are not the target's words)
     tools: list[dict[str, Any]] | None = None  # rendered by the chat template in its own tool format
+    # generate stopped it at max_new_tokens (finish_reason "length"): the target never closed the turn
+    length_capped: bool = False
 
 
 def input_records(source: Path) -> tuple[Iterator[Item], bool]:
@@ -131,4 +133,4 @@ def conversation(raw: bytes | dict, from_generate: bool) -> Conversation:
     final_only = from_generate and record.get("turns", "final") != "all"
     tools = check_tools(record)
     return Conversation(str(record.get("id") or prompt_id(clean, tools)), clean, token_ids, thinking, final_only,
-                        tools)
+                        tools, from_generate and record.get("finish_reason") == "length")

@@ -36,13 +36,19 @@ class Prepared:
     prompt_text: str
     token_ids: list[int] | None
     opening: int  # the conversation's opening_key, shared by the samples made from its turns
+    # a length-capped completion (generate's max_new_tokens stopped it): the character where the target's own words
+    # end in `text` (-1: not found), after which what the chat template adds (a think end, an end of turn) is not
+    # supervised
+    generated_end: int | None = None
 
 
 @dataclass
 class ChunkResult:
     rows: list[Row] = field(default_factory=list)
     rejected: list[dict[str, Any]] = field(default_factory=list)
-    truncated: int = 0
+    truncated: int = 0  # samples longer than max_length, cut to it
+    truncated_tokens: int = 0  # the tokens those cuts threw away
+    length_capped: int = 0  # completions generate stopped at max_new_tokens (kept or dropped per the setting)
     prompt_mismatches: int = 0
     token_id_mismatches: int = 0
     turns_as_own_samples: int = 0
@@ -108,9 +114,15 @@ def process_chunk(items: list[Item]) -> ChunkResult:
         except Exception as e:  # a template error on odd input is that record's problem, not the run's
             result.rejected.append({"file": source, "line": line, "reason": f"chat template failed: {e}"})
             continue
+        result.length_capped += record.length_capped
+        if record.length_capped and cfg.length_capped == "drop":
+            result.rejected.append({"file": source, "line": line, "reason": "length-capped: generate stopped it at "
+                                    "max_new_tokens (finish_reason length; tokenize.length_capped: drop)"})
+            continue
         result.turns_as_own_samples += len(own)
         opening = opening_key(record.messages)
-        prepared.append(Prepared(source, line, record.id, text, spans, prompt_text, record.token_ids, opening))
+        cut_at = (generated_end(text, spans[-1], record.messages[-1]) or -1) if record.length_capped else None
+        prepared.append(Prepared(source, line, record.id, text, spans, prompt_text, record.token_ids, opening, cut_at))
         prepared.extend(Prepared(source, line, f"{record.id}#turn{i}", own_text, [span], own_prompt, None, opening)
                         for i, own_text, span, own_prompt in own)
 
@@ -123,11 +135,16 @@ def process_chunk(items: list[Item]) -> ChunkResult:
     for p, enc, (first, n_prompt, _), tail in zip(prepared, encodings, tails, tail_encodings, strict=True):
         ids = np.asarray(enc.ids, dtype=np.int32)
         mask = mask_from_spans(enc, ids, p.spans, renderer.stop_ids)
+        if p.generated_end is not None and p.generated_end >= 0:
+            unsupervise_after(mask, enc, p.generated_end, len(p.text))
+        elif p.generated_end is not None:  # the words were not found as written: at least the end of turn goes
+            unsupervise_closing_stop(mask, ids, renderer.stop_ids)
         if ids[first:n_prompt].tolist() != tail.ids:
             result.prompt_mismatches += 1
         elif p.token_ids is not None and ids[n_prompt : n_prompt + len(p.token_ids)].tolist() != list(p.token_ids):
             result.token_id_mismatches += 1
         if len(ids) > cfg.max_length:
+            result.truncated_tokens += len(ids) - cfg.max_length
             ids, mask = ids[: cfg.max_length], mask[: cfg.max_length]
             result.truncated += 1
         supervised = int(np.count_nonzero(mask))
@@ -138,3 +155,31 @@ def process_chunk(items: list[Item]) -> ChunkResult:
         result.loss_tokens += supervised
         result.anchor_valid += longest_run(mask) >= cfg.block_size
     return result
+
+
+def generated_end(text: str, span: tuple[int, int], final_turn: dict[str, Any]) -> int | None:
+    """Where a length-capped final turn's own words end in `text`: after its answer, or after its reasoning when
+    the cap came before any answer. The template closes the turn after them (Qwen3: "</think>" and an empty answer;
+    every template: an end-of-turn token): labels the target never produced. None when the words are not found as
+    written (a template that rewrites them)."""
+    start, end = span
+    for name in ("content", "reasoning"):
+        words = (final_turn.get(name) or "").strip()
+        if words and (at := text.rfind(words, start, end)) >= 0:
+            return at + len(words)
+    return None
+
+
+def unsupervise_closing_stop(mask: np.ndarray, ids: np.ndarray, stop_ids: set[int]) -> None:
+    """The last supervised token, when it is a stop token: the template's, not the target's, in a capped turn."""
+    supervised = np.flatnonzero(mask)
+    if supervised.size and int(ids[supervised[-1]]) in stop_ids:
+        mask[supervised[-1]] = 0
+
+
+def unsupervise_after(mask: np.ndarray, encoding: Any, end_char: int, text_length: int) -> None:
+    """No supervision from the first token starting at or after `end_char`."""
+    first = next((encoding.char_to_token(c) for c in range(end_char, text_length)
+                  if encoding.char_to_token(c) is not None), None)
+    if first is not None:
+        mask[first:] = 0

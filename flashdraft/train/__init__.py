@@ -90,6 +90,7 @@ from flashdraft.train.distributed import (
     wrap,
 )
 from flashdraft.train.drafters import import_drafter, new_drafter
+from flashdraft.train.launch import run_launched, under_a_launcher
 from flashdraft.train.metrics import MetricSinks, json_rates, mean_rates, selector_metrics, truncate_metrics
 from flashdraft.train.optim import Optimizers, build_optimizers
 from flashdraft.train.step import Planned, batch_step, evaluate_heldout, plan_batch, read_results
@@ -97,7 +98,9 @@ from flashdraft.train.step import Planned, batch_step, evaluate_heldout, plan_ba
 __all__ = ["BadTrainingInput", "import_drafter", "run"]
 
 # Settings that say where or how output is kept, not what is trained: changing them keeps the lineage.
-NOT_LINEAGE = {"device", "target_device", "push_to", "push_attempts", "keep_checkpoints", "micro_batch", "prefetch"}
+# how a run is placed, not what it trains (the number of processes is in the lineage as its world size)
+NOT_LINEAGE = {"device", "target_device", "push_to", "push_attempts", "keep_checkpoints", "micro_batch", "prefetch",
+               "nproc_per_node"}
 
 
 def run(
@@ -111,6 +114,8 @@ def run(
 ) -> dict:
     """Train into `out`; rank 0, the one process that writes there, holds it locked for the whole run."""
     out = Path(out)
+    if cfg.nproc_per_node > 1 and not under_a_launcher():  # this process starts the node's processes, then checks
+        return run_launched(cfg, Path(data), out, require_checkpoint, log)
     if int(os.environ.get("RANK", "0")) != 0:
         return _run(cfg, Path(data), out, require_checkpoint, console, log)
     refuse_overlap(out, [data, cfg.init_from, cfg.target])

@@ -213,6 +213,51 @@ def test_generate_artifact_input_checks_prompt_and_completion_tokens(tmp_path, s
         assert ids[mask].tolist() == rows[int(row["id"][1])]["token_ids"]  # exactly the completion + <|im_end|>
 
 
+def test_length_capped_completions_are_counted_kept_without_a_made_up_end_or_dropped(tmp_path, smollm2_dir):
+    """generate stopped a completion at max_new_tokens (finish_reason "length"): the chat template still closes its
+    turn with <|im_end|>, a token the target never produced. Kept, that token is not supervised; with
+    `length_capped: drop` the record is rejected with its reason. A finished completion keeps its end either way."""
+    from flashdraft.artifact.manifest import build_manifest, write_manifest
+
+    gen = tmp_path / "gen"
+    gen.mkdir()
+    rows = [{"id": f"p{i}", "messages": [{"role": "user", "content": f"Question {i}?"}], "content": f"Answer {i} is",
+             "reasoning": None, "finish_reason": reason} for i, reason in enumerate(["stop", "length", "length"])]
+    write_jsonl(gen / "batch-000000.jsonl", rows)
+    write_manifest(gen, build_manifest(gen, kind="completions"))
+
+    lines = []
+    stats = run(cfg(smollm2_dir), gen, tmp_path / "kept", log=lines.append)
+    assert stats["samples"] == 3 and stats["length_capped"] == 2 and stats["rejected"] == 0
+    supervised = {row["id"]: supervised_text(smollm2_dir, row) for row in load_rows(tmp_path / "kept")}
+    assert supervised == {"p0": ["Answer 0 is<|im_end|>"], "p1": ["Answer 1 is"], "p2": ["Answer 2 is"]}
+    assert "2 length-capped by generate (kept)" in lines[-1]
+
+    stats = run(cfg(smollm2_dir, length_capped="drop"), gen, tmp_path / "dropped", log=lambda s: None)
+    assert stats["samples"] == 1 and stats["length_capped"] == 2 and stats["rejected"] == 2
+    reasons = [json.loads(line)["reason"] for line in (tmp_path / "dropped" / "rejected.jsonl").open()]
+    assert all(r.startswith("length-capped") for r in reasons)
+
+
+def test_a_thinking_completion_capped_mid_thought_supervises_only_the_thought(tmp_path, qwen_tok_dir):
+    """Cut inside its reasoning, the completion has no answer; the Qwen3 template still closes the think block and
+    the turn. Only the reasoning the target wrote is supervised — not "</think>", not <|im_end|>."""
+    from flashdraft.artifact.manifest import build_manifest, write_manifest
+
+    gen = tmp_path / "gen"
+    gen.mkdir()
+    rows = [{"id": "p0", "messages": [{"role": "user", "content": "2+2?"}], "content": "",
+             "reasoning": "Two plus two, let me", "finish_reason": "length", "sampling": {"thinking": True}},
+            {"id": "p1", "messages": [{"role": "user", "content": "3+3?"}], "content": "6.",
+             "reasoning": "Three plus three is 6.", "finish_reason": "stop", "sampling": {"thinking": True}}]
+    write_jsonl(gen / "batch-000000.jsonl", rows)
+    write_manifest(gen, build_manifest(gen, kind="completions"))
+    run(cfg(qwen_tok_dir), gen, tmp_path / "ds", log=lambda s: None)
+    supervised = {row["id"]: supervised_text(qwen_tok_dir, row) for row in load_rows(tmp_path / "ds")}
+    assert supervised["p0"] == ["<think>\nTwo plus two, let me"]
+    assert supervised["p1"] == ["<think>\nThree plus three is 6.\n</think>\n\n6.<|im_end|>"]
+
+
 def test_output_is_identical_for_any_worker_count_and_loads_with_datasets(tmp_path, smollm2_dir):
     records = [conv(f"Question {i}? " * (i % 7 + 1), f"Answer {i}. " * (i % 5 + 2)) for i in range(300)]
     src = write_jsonl(tmp_path / "c.jsonl", records)
@@ -297,6 +342,7 @@ def test_truncation_rejects_and_gate(tmp_path, smollm2_dir):
     src = write_jsonl(tmp_path / "c.jsonl", records)
     stats = run(cfg(smollm2_dir, max_length=128), src, tmp_path / "ds", log=lambda s: None)
     assert stats["samples"] == 2 and stats["truncated"] == 2 and stats["rejected"] == 4
+    assert stats["truncated_tokens"] > 400 - 128  # the long answer's tail, and the long prompt's, counted
     reasons = [json.loads(line)["reason"] for line in (tmp_path / "ds" / "rejected.jsonl").open()]
     assert reasons[0].startswith("malformed JSON") and "no assistant turn" in reasons[1]
     assert "unknown role" in reasons[2] and reasons[3] == "no supervised tokens left"

@@ -322,6 +322,33 @@ def test_two_process_ddp_matches_single_process_on_the_same_global_batch(tiny_ta
         assert all(torch.allclose(a[k], b[k], atol=1e-5) for k in a), step
 
 
+@pytest.mark.slow
+def test_nproc_per_node_starts_the_processes_itself_as_torchrun_would(tiny_target, tiny_dataset, tmp_path):
+    """`train.nproc_per_node: 2` with per-process devices: plain `flashdraft train` (no torchrun) trains as two
+    processes — the same checkpoints as torchrun's two — and verifies the drafter they exported; a failing
+    process is one line, without the launcher's traceback."""
+    by_torchrun = write_config(tmp_path / "torchrun.yaml", tiny_target, batch_size=1, max_steps=2, checkpoint_every=1)
+    by_itself = write_config(tmp_path / "itself.yaml", tiny_target, batch_size=1, max_steps=2, checkpoint_every=1,
+                             nproc_per_node=2, device="cpu;cpu", target_device="cpu;cpu")
+    assert torchrun("train", "--config", str(by_torchrun), "--data", str(tiny_dataset), "--out",
+                    str(tmp_path / "a")).returncode == 0
+    proc = subprocess.run([sys.executable, "-m", "flashdraft", "train", "--config", str(by_itself), "--data",
+                           str(tiny_dataset), "--out", str(tmp_path / "b")], capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "2 process(es)" in proc.stdout and "(from 2 processes)" in proc.stdout
+    for step in ("step-0000001", "step-0000002"):
+        a = load_file(str(tmp_path / "a" / "checkpoints" / step / "drafter.safetensors"))
+        b = load_file(str(tmp_path / "b" / "checkpoints" / step / "drafter.safetensors"))
+        assert all(torch.allclose(a[k], b[k], atol=1e-5) for k in a), step
+
+    failed = subprocess.run([sys.executable, "-m", "flashdraft", "train", "--config", str(by_itself), "--data",
+                             str(tmp_path / "no-such-dataset"), "--out", str(tmp_path / "c")], capture_output=True,
+                            text=True, timeout=300)
+    assert failed.returncode == 1 and "Traceback" not in failed.stderr, failed.stderr[-3000:]
+    assert "of 2 exited 1" in failed.stderr.strip().splitlines()[-1]
+
+
 def torchrun(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))

@@ -1,0 +1,70 @@
+"""Training processes on one node, started by flashdraft itself: `train.nproc_per_node: N` (N > 1) makes `train`
+and `run` launch N copies of `flashdraft train` through torch's own elastic launcher — what `torchrun --standalone
+--nproc-per-node N` does, called as a library so that a failed rank ends in one line, not the launcher's traceback.
+
+Each process gets RANK / LOCAL_RANK / WORLD_SIZE as under torchrun and picks its entry of an "a;b" device setting
+(train/distributed.py). The rendezvous is on localhost with a free port the launcher picks. Several nodes: start
+`torchrun … -m flashdraft train` on each yourself (docs/train.md).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import uuid
+
+from flashdraft.errors import ExpectedFailure
+
+
+class TrainProcessFailed(ExpectedFailure):
+    """A training process exited non-zero; it printed its own error above."""
+
+
+def under_a_launcher() -> bool:
+    """This process is one of torchrun's (or flashdraft's own launch): it trains, it does not launch."""
+    return "WORLD_SIZE" in os.environ and "LOCAL_RANK" in os.environ
+
+
+def launch(nproc: int, train_args: list[str]) -> None:
+    """Run `python -m flashdraft train ARGS` as `nproc` processes of one job; returns when all exited 0."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    if "OMP_NUM_THREADS" not in os.environ:  # torchrun's reason: N processes must not each take every core
+        os.environ["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // nproc))
+    config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=uuid.uuid4().hex,
+                          rdzv_backend="c10d", rdzv_endpoint="localhost:0", max_restarts=0)
+    # The launcher logs each failed process at ERROR with its own summary; the process has said why already.
+    logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
+    try:
+        elastic_launch(config, sys.executable)("-m", "flashdraft", "train", *train_args)
+    except ChildFailedError as e:
+        rank, failure = e.get_first_failure()
+        raise TrainProcessFailed(
+            f"train: process {rank} of {nproc} exited {failure.exitcode} (its error is above); the others were "
+            "stopped. Rerun the same command: it resumes from the newest checkpoint") from None
+
+
+def run_launched(cfg, data, out, require_checkpoint: bool, log) -> dict:
+    """`train.run` with `nproc_per_node` > 1 outside a launcher: the settings as given (CLI overrides and the
+    store's push_to included) go to the processes in a config file of their own, and the result is the exported
+    drafter's manifest, verified here after they exit."""
+    import tempfile
+    from pathlib import Path
+
+    import yaml
+
+    from flashdraft.artifact.manifest import require_verified
+    from flashdraft.layout import DRAFTER
+
+    log(f"train: starting {cfg.nproc_per_node} processes on this node (train.nproc_per_node)")
+    with tempfile.TemporaryDirectory(prefix="flashdraft-launch-") as tmp:
+        settings = Path(tmp) / "train.yaml"
+        settings.write_text(yaml.safe_dump({"train": cfg.model_dump(mode="json", exclude_unset=True)}))
+        launch(cfg.nproc_per_node, ["--config", str(settings), "--data", str(data), "--out", str(out)]
+               + (["--resume"] if require_checkpoint else []))
+    drafter = Path(out) / DRAFTER
+    manifest = require_verified(drafter, "train's drafter", "rerun the same command")
+    log(f"train: done, verified — {drafter} (from {cfg.nproc_per_node} processes)")
+    return manifest.stats
