@@ -85,3 +85,15 @@ def test_config_is_frozen():
 def test_missing_file(tmp_path):
     with pytest.raises(ConfigError, match="cannot read config"):
         load_config(tmp_path / "absent.yaml")
+
+
+def test_nproc_per_node_needs_a_device_entry_for_each_process(tmp_path):
+    p = tmp_path / "c.yaml"
+    p.write_text("train:\n  nproc_per_node: 3\n  device: cuda:2;cuda:3\n")
+    with pytest.raises(ConfigError, match=r"device 'cuda:2;cuda:3' has 2 per-process entries for nproc_per_node 3"):
+        load_config(p)
+    p.write_text("train:\n  nproc_per_node: 2\n  device: cuda:2;cuda:3\n  target_device: cuda:0,cuda:1\n")
+    assert load_config(p).train.nproc_per_node == 2  # each process spreads its target over both
+    p.write_text("train:\n  nproc_per_node: 0\n")
+    with pytest.raises(ConfigError, match=r"train.nproc_per_node"):
+        load_config(p)

@@ -116,9 +116,9 @@ def test_estimate_of_the_8b_example_states_rate_and_sizes(cli, tmp_path):
     proc = cli("estimate", str(EXAMPLES / "qwen3-8b.yaml"), "--num-prompts", "800000",
                "--target-config", str(target), "--json", check=True)
     est = _last_json(proc)
-    assert est["completion_tokens_max"] == 800_000 * 4096
+    assert est["completion_tokens_max"] == 800_000 * 2816
     assert est["generation_tokens_per_s"] == 4 * 2000  # four endpoints in the example, stated in the output
-    assert est["generation_hours"] == round(800_000 * 4096 / 8000 / 3600, 2)
+    assert est["generation_hours"] == round(800_000 * 2816 / 8000 / 3600, 2)
     assert est["target_layer_ids"] == [1, 9, 17, 25, 33]
     assert 1.0e9 < est["drafter_params"] < 1.2e9  # 5 Qwen3-8B-shaped layers + fc
     assert "8,000 tokens/s" in proc.stderr and "TB" in proc.stderr  # the offline cache would be terabytes
@@ -181,3 +181,45 @@ def test_eval_hours_count_every_prompt_set_and_mt_benchs_second_turn():
                                "eval.max_new_tokens": 2048})
     hours = [estimate(cfg, num_prompts=1000)["eval_hours"] for cfg in (one, many)]
     assert hours[1] == pytest.approx(4 * hours[0], rel=0.05)  # gsm8k + mt-bench's two turns + the built-in set
+
+
+@pytest.mark.parametrize("example", sorted(p.name for p in EXAMPLES.glob("*.yaml")))
+def test_no_shipped_example_generates_what_tokenize_throws_away(cli, tmp_path, example):
+    """generate.max_new_tokens and tokenize.max_length agree in every example: a sample of a mean prompt and a
+    full-length completion fits (else estimate's warning line, tested below, is what the user would see)."""
+    target = tmp_path / "config.json"
+    target.write_text(json.dumps(QWEN3_8B))
+    est = _last_json(cli("estimate", str(EXAMPLES / example), "--num-prompts", "1000", "--target-config",
+                         str(target), "--json", check=True))
+    assert est["completion_share_cut_max"] == 0, est["longest_sample_tokens"]
+
+
+def test_estimate_warns_when_generation_outruns_max_length_and_fits_a_budget(cli, tmp_path):
+    target = tmp_path / "config.json"
+    target.write_text(json.dumps(QWEN3_8B))
+    cfg = yaml.safe_load((EXAMPLES / "qwen3-8b.yaml").read_text())
+    cfg["generate"]["max_new_tokens"] = 8192
+    cfg["train"].update(nproc_per_node=2, device="cuda:2;cuda:3", epochs=2, batch_size=4)
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    args = ("estimate", str(path), "--num-prompts", "1000", "--target-config", str(target), "--train-hours", "0.05")
+    text = cli(*args, check=True).stdout
+    est = _last_json(cli(*args, "--json", check=True))
+    # (200 + 8,192 − 3,072) / 8,192 of a full-length completion is cut
+    assert est["completion_share_cut_max"] == round((200 + 8192 - 3072) / 8192, 3)
+    assert "tokenize: WARNING" in text and "up to 65% of a completion" in text
+    assert est["train_steps"] == 2 * 1000 // (4 * 2)  # 2 epochs, 2 processes × batch 4 a step
+    assert est["train_gpu_hours"] == pytest.approx(2 * est["train_hours"], abs=0.1)
+    fits = est["train_fits"]
+    assert fits["max_steps"] == int(0.05 * 3600 / est["train_step_s"]) < est["train_steps"]
+    assert f"set train.max_steps: {fits['max_steps']:,}" in text
+
+
+@pytest.mark.parametrize("flag,value", [("--mean-new-tokens", "0"), ("--mean-new-tokens", "999999"),
+                                        ("--train-hours", "nan"), ("--train-hours", "-1")])
+def test_estimate_refuses_a_mean_or_budget_that_is_no_number_of_it(cli, tmp_path, flag, value):
+    target = tmp_path / "config.json"
+    target.write_text(json.dumps(QWEN3_8B))
+    proc = cli("estimate", str(EXAMPLES / "qwen3-8b.yaml"), "--num-prompts", "10", "--target-config", str(target),
+               flag, value)
+    assert proc.returncode == 1 and flag in proc.stderr and "Traceback" not in proc.stderr
