@@ -20,3 +20,28 @@ def test_every_relative_link_leads_somewhere():
         for target in LINK.findall(page.read_text()):
             if "://" not in target:
                 assert (page.parent / target).exists(), f"{page.name} links to {target}, which does not exist"
+
+
+def test_the_demos_length_is_given_one_way():
+    """The README's table holds the measured time of each demo; every other place that says how long a demo takes
+    (the set-up line, `demo --help`, the module's docstring, docs/demo.md) says the same, rounded to minutes."""
+    readme = (ROOT / "README.md").read_text()
+    measured = {}
+    for flag, key in (("", "quick"), (" --full", "full")):
+        row = re.search(rf"^\| `flashdraft demo{flag}` \|.*?\*\*(\d+) min (\d+) s\*\*", readme, re.M)
+        measured[key] = round(int(row.group(1)) + int(row.group(2)) / 60)
+    places = {"README.md set-up": readme.split("## The demo")[0],
+              "flashdraft/cli/pipeline.py (demo --help)": (ROOT / "flashdraft/cli/pipeline.py").read_text(),
+              "flashdraft/demo.py": (ROOT / "flashdraft/demo.py").read_text(),
+              "docs/demo.md": (ROOT / "docs/demo.md").read_text()}
+    for where, text in places.items():
+        said = {int(n) for n in re.findall(r"about (\d+) min", " ".join(text.split()))}
+        assert measured["quick"] in said and said <= set(measured.values()), (where, said, measured)
+
+
+def test_dated_measurements_live_in_results_not_in_the_manual():
+    """docs/ says how things work; a figure with its date is a measurement, and belongs in benchmarks/RESULTS.md
+    (docs/benchmarks.md, the page about the benchmarks, excepted)."""
+    for page in sorted((ROOT / "docs").glob("*.md")):
+        if page.name != "benchmarks.md":
+            assert not re.search(r"20\d\d-\d\d-\d\d", page.read_text()), f"{page.name} carries a dated measurement"

@@ -164,9 +164,10 @@ def generated_end(text: str, span: tuple[int, int], final_turn: dict[str, Any]) 
     written (a template that rewrites them)."""
     start, end = span
     for name in ("content", "reasoning"):
-        words = (final_turn.get(name) or "").strip()
-        if words and (at := text.rfind(words, start, end)) >= 0:
-            return at + len(words)
+        written = final_turn.get(name) or ""
+        for words in (written, written.strip()):  # as written, else as a template that strips it renders it
+            if words.strip() and (at := text.rfind(words, start, end)) >= 0:
+                return at + len(words)
     return None
 
 
