@@ -73,6 +73,8 @@ def run(
             path = stage_dir(cfg.workdir, stage)
             problems = verify_dir(path)
             state = "verified (will be checked for lineage)" if not problems else f"to build ({problems[0]})"
+            if stage == "train" and cfg.train.nproc_per_node > 1:
+                state += f"; {cfg.train.nproc_per_node} processes on this node (train.nproc_per_node)"
             planned[stage] = {"path": str(path), "verified": not problems}
             out.print(f"{stage}: {path} — {state}")
         out.print("preflight:")

@@ -18,7 +18,7 @@ from flashdraft.cli.app import (
     human,
 )
 from flashdraft.config import load_config
-from flashdraft.layout import DRAFTER, generate_dir, stage_dir, train_dir
+from flashdraft.layout import DRAFTER, generate_dir, stage_dir, train_dir, train_url
 from flashdraft.preflight import generate_checks, require, train_checks
 
 
@@ -166,8 +166,12 @@ def train(
     cfg = load_config(config, overrides)
     data = data or stage_dir(cfg.workdir, "tokenize")
     out = out or train_dir(cfg.workdir)
-    require(train_checks(cfg.train))  # target, devices, the --push-to store: before any compute
-    stats = stage.run(cfg.train, data, out, require_checkpoint=resume, console=err_console, log=human(json_out).print)
+    train_cfg = cfg.train
+    if cfg.store and not train_cfg.push_to:  # the config's store holds the checkpoints, as under `run`
+        train_cfg = train_cfg.model_copy(update={"push_to": train_url(cfg.store)})
+    require(train_checks(train_cfg))  # target, devices, the store checkpoints go to: before any compute
+    stats = stage.run(train_cfg, data, out, require_checkpoint=resume, console=err_console,
+                      log=human(json_out).print)
     if json_out and stats:
         emit_json({"path": str(out / DRAFTER), **stats})
 

@@ -256,6 +256,19 @@ def write_config(path: Path, target: str, **train) -> Path:
     return path
 
 
+def test_train_with_a_config_pushes_to_its_store_as_run_does(cli, tiny_target, tiny_dataset, tmp_path):
+    """`flashdraft train --config C` where C names a store (what torchrun on each node runs): checkpoints and the
+    drafter go to STORE/train, verified there, without a --push-to."""
+    import yaml
+
+    config = write_config(tmp_path / "c.yaml", tiny_target, batch_size=1, max_steps=2, checkpoint_every=1)
+    settings = yaml.safe_load(config.read_text()) | {"store": str(tmp_path / "store")}
+    config.write_text(yaml.safe_dump(settings))
+    cli("train", "--config", str(config), "--data", str(tiny_dataset), "--out", str(tmp_path / "out"), check=True)
+    assert cli("verify", str(tmp_path / "store" / "train" / "drafter")).returncode == 0
+    assert (tmp_path / "store" / "train" / "checkpoints" / "step-0000002" / "manifest.json").is_file()
+
+
 @pytest.mark.parametrize("optimizer", ["adamw", "muon"])
 def test_killed_run_resumes_to_the_same_loss_curve_and_weights(cli, tiny_target, tiny_dataset, tmp_path, optimizer):
     config = write_config(tmp_path / "c.yaml", tiny_target, batch_size=1, epochs=2, checkpoint_every=2,
