@@ -56,7 +56,8 @@ FROZEN_FLAGS = {
     "status": ["--config", "--json", "--markdown", "--store"],
     "run": ["--dry-run", "--from", "--json", "--store", "--until"],
     "demo": ["--full", "--json", "--workdir"],
-    "estimate": ["--json", "--num-prompts", "--target-config", "--tokens-per-s"],
+    "estimate": ["--json", "--mean-new-tokens", "--num-prompts", "--target-config", "--tokens-per-s",
+                 "--train-hours"],
 }
 
 

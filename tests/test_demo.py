@@ -176,33 +176,34 @@ def test_demo_yaml_matches_what_demo_runs():
 
 
 def test_the_docs_describe_the_demo_that_runs():
-    """docs/demo.md names the settings `flashdraft demo` runs; changing one without it fails here."""
+    """docs/demo.md names the settings `flashdraft demo` (and `--full`) runs; changing one without it fails here."""
     from pathlib import Path
 
-    from flashdraft.demo import DEMO_SETTINGS
-
-    row = (Path(__file__).resolve().parent.parent / "docs" / "demo.md").read_text()
-    words = {1: "one", 2: "two", 3: "three", 4: "four", 5: "five", 6: "six"}
-    said = [
-        f"{DEMO_SETTINGS['generate.max_prompts']:,} hand-written prompts (`{DEMO_SETTINGS['generate.prompts']}`",
-        f"up to {DEMO_SETTINGS['generate.max_new_tokens']} tokens",
-        f"a {words[DEMO_SETTINGS['train.num_layers']]}-layer drafter",
-        f"blocks of {DEMO_SETTINGS['train.block_size']}, {DEMO_SETTINGS['train.max_anchors']} anchors a sequence",
-        f"trained {DEMO_SETTINGS['train.max_steps']:,} steps",
-        f"top-{DEMO_SETTINGS['train.distill_topk']} next tokens",
-        f"D-PACE loss weights (α {DEMO_SETTINGS['train.dpace_alpha']}) on the target's own greedy tokens",
-        f"target features cached in {DEMO_SETTINGS['train.target_dtype']}",
-        f"{DEMO_SETTINGS['train.draft_vocab_size']:,}-token draft vocabulary",
-        f"{DEMO_SETTINGS['eval.max_prompts']} hand-written held-out prompts (`{DEMO_SETTINGS['eval.prompts']}`)",
-    ]
-    assert [phrase for phrase in said if phrase not in row] == []
+    from flashdraft.demo import DEMO_SETTINGS as F
     from flashdraft.demo import QUICK_SETTINGS as Q
 
-    quick = [f"first **{Q['generate.max_prompts']}** hand-written prompts",
-             f"**{Q['train.max_steps']}** training steps",
-             f"{Q['train.eval_samples']} held-out samples in the log",
-             f"**{Q['eval.max_prompts']}** held-out prompts × **{Q['eval.max_new_tokens']}** tokens"]
-    assert [phrase for phrase in quick if phrase not in row] == []
+    page = " ".join((Path(__file__).resolve().parent.parent / "docs" / "demo.md").read_text().split())
+    words = {1: "one", 2: "two", 3: "three", 4: "four", 5: "five", 6: "six"}
+    rows = [
+        f"| prompts | the first {Q['generate.max_prompts']} hand-written ones | all {F['generate.max_prompts']:,} "
+        f"(`{F['generate.prompts']}`) |",
+        f"| training steps | {Q['train.max_steps']} (~",
+        f"| held-out samples in the training log | {Q['train.eval_samples']} | {F['train.eval_samples']} |",
+        f"| eval | {Q['eval.max_prompts']} held-out prompts × {Q['eval.max_new_tokens']} tokens | "
+        f"{F['eval.max_prompts']} held-out prompts × {F['eval.max_new_tokens']} tokens |",
+    ]
+    recipe = [
+        f"up to {F['generate.max_new_tokens']} tokens",
+        f"A {words[F['train.num_layers']]}-layer drafter",
+        f"blocks of {F['train.block_size']} and {F['train.max_anchors']} anchors a sequence",
+        f"distillation on the top-{F['train.distill_topk']}",
+        f"D-PACE loss weights (α {F['train.dpace_alpha']}) on the target's own greedy tokens",
+        f"features are cached in {F['train.target_dtype']}",
+        f"a {F['train.draft_vocab_size']:,}-token draft vocabulary",
+        f"(`{F['eval.prompts']}`)",
+    ]
+    assert Q["train.max_steps"] != F["train.max_steps"] and f"| {F['train.max_steps']:,} (~" in page
+    assert [phrase for phrase in rows + recipe if phrase not in page] == []
 
 
 def _kill_when(args: list[str], appears, timeout: float = 300) -> None:
