@@ -245,7 +245,8 @@ class EvalConfig(Section):
     prompts: str | Annotated[list[str], Field(min_length=1)] = "builtin:chat-heldout"
     target: str = EMBEDDED_TARGET
     max_prompts: Positive = 50  # per source
-    max_new_tokens: Positive = 64
+    # ≥ 2: a turn's first token comes from the prompt's own pass, so with 1 no draft would ever be verified
+    max_new_tokens: Annotated[int, Field(ge=2, le=1_000_000)] = 64
     temperature: NonNegativeFloat = 0.0
     thinking: bool = False
     prompt_lookup_tokens: Positive = 10  # the prompt-lookup baseline's n-gram draft length

@@ -200,6 +200,10 @@ def run(
                     })
                     advance(1, tau=f"{acceptance_length([n for row in per_prompt for n in row['accepted']]):.2f}")
 
+        if not any(row["accepted"] for row in per_prompt):  # τ would be 0/0: not a measurement, not a success
+            raise BadInput(f"eval: no turn reached a verify step (each of the {len(per_prompt)} ended at its first "
+                           "token), so τ was not measured and nothing was written; give prompts the target answers "
+                           "at more length")
         # positions a step can accept: K − 1 drafts (DFlash, DFlash2), K (DSpark, whose anchor slot drafts too)
         report = summarize(per_prompt, drafter.block_size + int(is_dspark(drafter)), cfg)
         if is_dspark(drafter):

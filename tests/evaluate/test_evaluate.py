@@ -295,3 +295,31 @@ def test_eval_in_a_log_file_says_how_far_it_has_got(cli, tmp_path, tiny_model_di
     progress = [line for line in run_.stderr.splitlines() if line.startswith("eval: turns decoded")]
     assert [line.split(", τ so far")[1].split(" ")[2] for line in progress] == ["1/3", "2/3", "3/3"]
     assert all("ETA" in line for line in progress)
+
+
+def test_eval_that_never_reaches_a_verify_step_is_refused_not_reported_as_tau_zero(tmp_path, tiny_model_dir, target,
+                                                                                  overfit_drafter):
+    """A turn's first token comes from the prompt's own pass; when every turn ends there, no draft was verified and
+    τ would be 0/0. That is one line and no report, not "done, verified — τ 0.00" (and --max-new-tokens 1, which
+    always ends there, is refused as a setting)."""
+    import shutil
+
+    from flashdraft.config import ConfigError, load_config
+    from flashdraft.errors import ExpectedFailure
+
+    save_drafter(overfit_drafter, tmp_path / "drafter")
+    stops_at_once = tmp_path / "target"
+    shutil.copytree(tiny_model_dir, stops_at_once)
+    generation = json.loads((stops_at_once / "generation_config.json").read_text())
+    generation["eos_token_id"] = list(range(target.config.vocab_size))  # every token ends the turn
+    (stops_at_once / "generation_config.json").write_text(json.dumps(generation))
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"prompt": "Tell me about owls."}) + "\n")
+    cfg = EvalConfig(prompts=str(prompts), target=str(stops_at_once), max_new_tokens=8)
+    with pytest.raises(ExpectedFailure, match="no turn reached a verify step"):
+        run(cfg, tmp_path / "drafter", tmp_path / "eval", log=quiet)
+    assert not (tmp_path / "eval" / "manifest.json").exists()
+    config = tmp_path / "c.yaml"
+    config.write_text("eval:\n  max_new_tokens: 1\n")
+    with pytest.raises(ConfigError, match="eval.max_new_tokens"):
+        load_config(config)
