@@ -246,7 +246,7 @@ class EvalConfig(Section):
     target: str = EMBEDDED_TARGET
     max_prompts: Positive = 50  # per source
     # ≥ 2: a turn's first token comes from the prompt's own pass, so with 1 no draft would ever be verified
-    max_new_tokens: Annotated[int, Field(ge=2, le=1_000_000)] = 64
+    max_new_tokens: Annotated[int, Field(ge=2, le=INT_MAX)] = 64
     temperature: NonNegativeFloat = 0.0
     thinking: bool = False
     prompt_lookup_tokens: Positive = 10  # the prompt-lookup baseline's n-gram draft length
