@@ -184,13 +184,15 @@ def test_eval_hours_count_every_prompt_set_and_mt_benchs_second_turn():
 
 
 @pytest.mark.parametrize("example", sorted(p.name for p in EXAMPLES.glob("*.yaml")))
-def test_no_shipped_example_generates_what_tokenize_throws_away(cli, tmp_path, example):
+def test_no_shipped_example_generates_what_tokenize_throws_away(tmp_path, example):
     """generate.max_new_tokens and tokenize.max_length agree in every example: a sample of a mean prompt and a
     full-length completion fits (else estimate's warning line, tested below, is what the user would see)."""
+    from flashdraft.config import load_config
+    from flashdraft.estimate import estimate
+
     target = tmp_path / "config.json"
     target.write_text(json.dumps(QWEN3_8B))
-    est = _last_json(cli("estimate", str(EXAMPLES / example), "--num-prompts", "1000", "--target-config",
-                         str(target), "--json", check=True))
+    est = estimate(load_config(EXAMPLES / example), num_prompts=1000, target_config=target)
     assert est["completion_share_cut_max"] == 0, est["longest_sample_tokens"]
 
 
@@ -215,11 +217,17 @@ def test_estimate_warns_when_generation_outruns_max_length_and_fits_a_budget(cli
     assert f"set train.max_steps: {fits['max_steps']:,}" in text
 
 
-@pytest.mark.parametrize("flag,value", [("--mean-new-tokens", "0"), ("--mean-new-tokens", "999999"),
-                                        ("--train-hours", "nan"), ("--train-hours", "-1")])
-def test_estimate_refuses_a_mean_or_budget_that_is_no_number_of_it(cli, tmp_path, flag, value):
+def test_estimate_refuses_a_mean_or_budget_that_is_no_number_of_it(cli, tmp_path):
+    from flashdraft.config import load_config
+    from flashdraft.estimate import EstimateError, estimate
+
     target = tmp_path / "config.json"
     target.write_text(json.dumps(QWEN3_8B))
+    cfg = load_config(EXAMPLES / "qwen3-8b.yaml")
+    for name, value in [("mean_new_tokens", 0), ("mean_new_tokens", 999_999), ("train_hours", float("nan")),
+                        ("train_hours", -1.0)]:
+        with pytest.raises(EstimateError, match="--" + name.replace("_", "-")):
+            estimate(cfg, num_prompts=10, target_config=target, **{name: value})
     proc = cli("estimate", str(EXAMPLES / "qwen3-8b.yaml"), "--num-prompts", "10", "--target-config", str(target),
-               flag, value)
-    assert proc.returncode == 1 and flag in proc.stderr and "Traceback" not in proc.stderr
+               "--train-hours", "nan")  # and through the command: one line, exit 1
+    assert proc.returncode == 1 and "--train-hours" in proc.stderr and "Traceback" not in proc.stderr
