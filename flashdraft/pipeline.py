@@ -39,6 +39,14 @@ def require_shards(workdir, num_shards: int) -> None:
             "(with --store, their pushes are pulled here), then rerun")
 
 
+def train_settings(cfg: PipelineConfig):
+    """train's settings as `run`, `train --config` and preflight use them: with a store and no push_to of its own,
+    checkpoints and the drafter go to STORE/train."""
+    if cfg.store and not cfg.train.push_to:
+        return cfg.train.model_copy(update={"push_to": train_url(cfg.store)})
+    return cfg.train
+
+
 def selected(from_stage: str | None, until: str | None) -> list[str]:
     for name in (from_stage, until):
         if name is not None and name not in STAGES:
@@ -61,9 +69,7 @@ def run_pipeline(
     from flashdraft import evaluate, generate, tokenize, train
 
     work = cfg.workdir
-    train_cfg = cfg.train
-    if cfg.store and not train_cfg.push_to:  # checkpoints go to the store too, beside the drafter
-        train_cfg = train_cfg.model_copy(update={"push_to": train_url(cfg.store)})
+    train_cfg = train_settings(cfg)
     shards = cfg.generate.num_shards
     mine = generate_dir(work, cfg.generate.shard_index, shards)  # this host's generate artifact
 

@@ -318,7 +318,7 @@ def pipeline_checks(cfg: PipelineConfig, stages: list[str], every: bool = True) 
     """Everything the selected stages will need, checked now: what `run` checks before its first stage. The disk
     check comes last and, unless `every` (a dry run lists every check), only when the others passed: it may
     have to convert the embedded target once to count tokens, which is no reason to keep a failure waiting."""
-    from flashdraft.layout import generate_parts, join, stage_url, train_url
+    from flashdraft.layout import generate_parts, join, stage_url
 
     g, checks = cfg.generate, []
     if stages and stages[0] in ("train", "eval"):  # --from a later stage: its input must be here or in the store
@@ -333,8 +333,9 @@ def pipeline_checks(cfg: PipelineConfig, stages: list[str], every: bool = True) 
     if "tokenize" in stages:
         checks.append(check_model(cfg.tokenize.tokenizer, "tokenizer"))
     if "train" in stages:
-        push_to = cfg.train.push_to or (train_url(cfg.store) if cfg.store else None)
-        checks += train_checks(cfg.train.model_copy(update={"push_to": push_to}))
+        from flashdraft.pipeline import train_settings
+
+        checks += train_checks(train_settings(cfg))
     if "eval" in stages:
         checks.append(check_model(cfg.eval.target, "eval target"))
         checks += [check_eval_prompts(source) for source in cfg.eval.sources]

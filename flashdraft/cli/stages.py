@@ -18,7 +18,8 @@ from flashdraft.cli.app import (
     human,
 )
 from flashdraft.config import load_config
-from flashdraft.layout import DRAFTER, generate_dir, stage_dir, train_dir, train_url
+from flashdraft.layout import DRAFTER, generate_dir, stage_dir, train_dir
+from flashdraft.pipeline import train_settings
 from flashdraft.preflight import generate_checks, require, train_checks
 
 
@@ -166,9 +167,7 @@ def train(
     cfg = load_config(config, overrides)
     data = data or stage_dir(cfg.workdir, "tokenize")
     out = out or train_dir(cfg.workdir)
-    train_cfg = cfg.train
-    if cfg.store and not train_cfg.push_to:  # the config's store holds the checkpoints, as under `run`
-        train_cfg = train_cfg.model_copy(update={"push_to": train_url(cfg.store)})
+    train_cfg = train_settings(cfg)  # the config's store holds the checkpoints, as under `run`
     require(train_checks(train_cfg))  # target, devices, the store checkpoints go to: before any compute
     stats = stage.run(train_cfg, data, out, require_checkpoint=resume, console=err_console,
                       log=human(json_out).print)

@@ -18,7 +18,7 @@ import numpy as np
 from flashdraft.config import TokenizeConfig
 from flashdraft.model.resolve import vocab_fingerprint
 from flashdraft.records import BadRecord, opening_key
-from flashdraft.tokenize.offsets import encode, longest_run, mask_from_spans, prompt_tail
+from flashdraft.tokenize.offsets import _token_at_or_after, encode, longest_run, mask_from_spans, prompt_tail
 from flashdraft.tokenize.records import Item, conversation
 from flashdraft.tokenize.render import Renderer
 from flashdraft.tokenize.shards import Row
@@ -36,10 +36,9 @@ class Prepared:
     prompt_text: str
     token_ids: list[int] | None
     opening: int  # the conversation's opening_key, shared by the samples made from its turns
-    # a length-capped completion (generate's max_new_tokens stopped it): the character where the target's own words
-    # end in `text` (-1: not found), after which what the chat template adds (a think end, an end of turn) is not
-    # supervised
-    generated_end: int | None = None
+    # generate's max_new_tokens stopped it: what the chat template adds after the target's words is not supervised
+    length_capped: bool = False
+    generated_end: int | None = None  # where those words end in `text`, when found as written
 
 
 @dataclass
@@ -121,8 +120,9 @@ def process_chunk(items: list[Item]) -> ChunkResult:
             continue
         result.turns_as_own_samples += len(own)
         opening = opening_key(record.messages)
-        cut_at = (generated_end(text, spans[-1], record.messages[-1]) or -1) if record.length_capped else None
-        prepared.append(Prepared(source, line, record.id, text, spans, prompt_text, record.token_ids, opening, cut_at))
+        cut_at = generated_end(text, spans[-1], record.messages[-1]) if record.length_capped else None
+        prepared.append(Prepared(source, line, record.id, text, spans, prompt_text, record.token_ids, opening,
+                                 record.length_capped, cut_at))
         prepared.extend(Prepared(source, line, f"{record.id}#turn{i}", own_text, [span], own_prompt, None, opening)
                         for i, own_text, span, own_prompt in own)
 
@@ -135,10 +135,8 @@ def process_chunk(items: list[Item]) -> ChunkResult:
     for p, enc, (first, n_prompt, _), tail in zip(prepared, encodings, tails, tail_encodings, strict=True):
         ids = np.asarray(enc.ids, dtype=np.int32)
         mask = mask_from_spans(enc, ids, p.spans, renderer.stop_ids)
-        if p.generated_end is not None and p.generated_end >= 0:
-            unsupervise_after(mask, enc, p.generated_end, len(p.text))
-        elif p.generated_end is not None:  # the words were not found as written: at least the end of turn goes
-            unsupervise_closing_stop(mask, ids, renderer.stop_ids)
+        if p.length_capped:
+            unsupervise_template_close(mask, enc, ids, p, renderer.stop_ids)
         if ids[first:n_prompt].tolist() != tail.ids:
             result.prompt_mismatches += 1
         elif p.token_ids is not None and ids[n_prompt : n_prompt + len(p.token_ids)].tolist() != list(p.token_ids):
@@ -171,16 +169,15 @@ def generated_end(text: str, span: tuple[int, int], final_turn: dict[str, Any]) 
     return None
 
 
-def unsupervise_closing_stop(mask: np.ndarray, ids: np.ndarray, stop_ids: set[int]) -> None:
-    """The last supervised token, when it is a stop token: the template's, not the target's, in a capped turn."""
+def unsupervise_template_close(mask: np.ndarray, encoding: Any, ids: np.ndarray, p: Prepared,
+                               stop_ids: set[int]) -> None:
+    """A capped turn: no supervision from the first token at or after the target's last word; when its words were
+    not found as written, at least the last supervised token goes when it is a stop token (the template's)."""
+    if p.generated_end is not None:
+        first = _token_at_or_after(encoding, p.generated_end, len(p.text))
+        if first is not None:
+            mask[first:] = 0
+        return
     supervised = np.flatnonzero(mask)
     if supervised.size and int(ids[supervised[-1]]) in stop_ids:
         mask[supervised[-1]] = 0
-
-
-def unsupervise_after(mask: np.ndarray, encoding: Any, end_char: int, text_length: int) -> None:
-    """No supervision from the first token starting at or after `end_char`."""
-    first = next((encoding.char_to_token(c) for c in range(end_char, text_length)
-                  if encoding.char_to_token(c) is not None), None)
-    if first is not None:
-        mask[first:] = 0
