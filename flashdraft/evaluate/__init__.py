@@ -45,7 +45,7 @@ from flashdraft.artifact.manifest import (
 )
 from flashdraft.artifact.ownership import commit_dir, hold_output
 from flashdraft.config import EvalConfig
-from flashdraft.errors import BadInput
+from flashdraft.errors import BadInput, ExpectedFailure
 from flashdraft.evaluate.decode import SpecDecoder, divergence, target_only, until_stop
 from flashdraft.evaluate.report import dspark_summary, markdown_report, plot, summarize
 from flashdraft.evaluate.sets import load_eval_sets
@@ -105,8 +105,14 @@ def run(
     with hold_output(out, "eval", inputs=[drafter_dir, target_path]):
         decision = check_done(out, lineage)
         log(decision.line("eval", out))
+        decoded = None  # eval's own measurement, when a report holds it but an engine failed there
         if decision.done:
-            return read_manifest(out).stats
+            done = read_manifest(out).stats
+            if not (failed := failed_engines(done)):
+                return done
+            decoded = json.loads((out / "report.json").read_text())["prompts"]  # verified with the manifest
+            log(f"eval: {out} holds eval's own measurement, but {', '.join(failed)} failed there: measuring "
+                f"{'it' if len(failed) == 1 else 'them'} again on it (eval's decoding is not redone)")
         if (drafter_dir / MANIFEST).exists():  # re-hashed only now that it is about to be used
             require_verified(drafter_dir, "drafter", "re-export it (rerun `flashdraft train`) or pull it again")
         else:
@@ -158,10 +164,10 @@ def run(
                 decoder, machinery = warm_up(decoder, render(prompts[0].prompt.messages), target, drafter, stop_ids,
                                              log)
 
-        per_prompt = []
+        per_prompt = list(decoded or [])
         # one line every FLASHDRAFT_PROGRESS_SECONDS in a log file (a bar on a terminal): turns done, τ so far, ETA
         with progress(console, "eval: turns decoded, τ so far {task.fields[tau]},", total=turns, tau="–") as advance:
-            for item in prompts:
+            for item in (prompts if decoded is None else []):
                 messages, answer = list(item.prompt.messages), ""
                 for turn, follow_up in enumerate((None, *item.follow_ups), start=1):
                     if follow_up is not None:  # asked after the target's own answer to the turn before
@@ -223,10 +229,15 @@ def run(
         with commit_dir(out, "eval", stats=stats, lineage=lineage) as building:  # its own files, renamed in whole
             if cfg.engines:  # the engines' logs are part of the report: what each said while it served
                 passes = sum(len(p["accepted"]) for p in per_prompt)  # eval's verify passes: what could draft
-                report["engines"] = {engine: engine_report(cfg, engine, prompts, render, target_path, drafter_dir,
-                                                           drafter.block_size, report, passes, building, log,
-                                                           is_dspark(drafter))
-                                     for engine in cfg.engines}
+                report["engines"] = {}
+                for engine in cfg.engines:
+                    try:
+                        report["engines"][engine] = engine_report(cfg, engine, prompts, render, target_path,
+                                                                  drafter_dir, drafter.block_size, report, passes,
+                                                                  building, out, log, is_dspark(drafter))
+                    except ExpectedFailure as e:  # eval's own measurement is kept, committed beside the failure
+                        log(f"eval: {engine} failed: {e}")
+                        report["engines"][engine] = {"engine": engine, "failed": str(e)}
                 stats["engines"] = {engine: {k: v for k, v in served.items() if k != "by_dataset"}
                                     for engine, served in report["engines"].items()}
                 table = markdown_report(report)
@@ -237,6 +248,12 @@ def run(
             plot(report, building)
     for line in table.rstrip("\n").split("\n"):
         log(line)
+    if failed := failed_engines(stats):
+        from flashdraft.evaluate.engines import EngineFailed
+
+        raise EngineFailed(f"eval: {failed[0]} failed: {stats['engines'][failed[0]]['failed']} — eval's own "
+                           f"measurement (τ {report['acceptance_length']:.2f}) is committed at {out} with the engine's "
+                           "failure beside it; rerun the same command to measure the engine again")
     if rejected:
         log(f"eval: {len(rejected)} records could not be formatted; reasons in {out / 'rejected.jsonl'}")
     per = report["speedup_per_prompt"]
@@ -253,8 +270,13 @@ def run(
     return stats
 
 
+def failed_engines(stats: dict[str, Any]) -> list[str]:
+    """The engines a committed report records as failed (its own measurement stands beside them)."""
+    return [name for name, served in (stats.get("engines") or {}).items() if served.get("failed")]
+
+
 def engine_report(cfg: EvalConfig, name: str, prompts: list, render: Callable, target_path: str, drafter_dir: Path,
-                  block_size: int, report: dict[str, Any], passes: int, logs: Path,
+                  block_size: int, report: dict[str, Any], passes: int, logs: Path, out: Path,
                   log: Callable[[str], None], dspark: bool = False) -> dict[str, Any]:
     """The engine's τ on the same prompts and token budget (greedy; a later turn after the engine's own answer),
     beside eval's own, per dataset."""
@@ -265,7 +287,7 @@ def engine_report(cfg: EvalConfig, name: str, prompts: list, render: Callable, t
     log(f"eval: measuring τ in {name} on the same {len(prompts)} prompts")
     engine = measure(name, turns, render, target_dir=Path(target_path), drafter_dir=drafter_dir,
                      block_size=block_size, max_new_tokens=cfg.max_new_tokens, longest_prompt=longest, logs=logs,
-                     url=cfg.engine_url, python=cfg.engine_python, baseline=cfg.engine_baseline,
+                     shown_log=out, url=cfg.engine_url, python=cfg.engine_python, baseline=cfg.engine_baseline,
                      dspark=dspark, log=log)
     tau = (engine["overall"] or {}).get("acceptance_length")
     engine["flashdraft_acceptance_length"] = report["acceptance_length"]

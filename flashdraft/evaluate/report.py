@@ -116,7 +116,8 @@ def markdown_report(report: dict[str, Any]) -> str:
     if "dspark" in report:
         lines += ["", *dspark_table(report["dspark"])]
     for engine in report.get("engines", {}).values():
-        lines += ["", *engine_table(engine, report)]
+        lines += ["", *(engine_table(engine, report) if not engine.get("failed") else
+                        [f"τ in {engine['engine']}: not measured — it failed: {engine['failed']}"])]
     return "\n".join(lines) + "\n"
 
 

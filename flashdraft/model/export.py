@@ -155,6 +155,20 @@ def load_drafter(path: str | Path, device: str | torch.device = "cpu", dtype=tor
     return drafter.to(device=device, dtype=dtype)
 
 
+def target_mismatches(hidden_size: int, num_target_layers: int, vocab_size: int, target_layer_ids: list[int],
+                      target_config) -> list[str]:
+    """How a drafter of these settings does not fit the target of `target_config` (its text config): empty when it
+    was made for it. Checked wherever a drafter meets a target it was not trained beside (import, export)."""
+    found = [f"{what} {mine} vs the target's {theirs}" for what, mine, theirs in (
+        ("hidden size", hidden_size, target_config.hidden_size),
+        ("target layer count", num_target_layers, target_config.num_hidden_layers),
+        ("vocabulary", vocab_size, target_config.vocab_size),
+    ) if mine != theirs]
+    if max(target_layer_ids) >= target_config.num_hidden_layers:
+        found.append(f"target layers {target_layer_ids} beyond its {target_config.num_hidden_layers}")
+    return found
+
+
 def nonfinite_weights(module: torch.nn.Module) -> list[str]:
     """Names of the parameters holding a NaN or an infinity (a sharded parameter: this process's shard)."""
     bad = []

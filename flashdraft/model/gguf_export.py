@@ -17,14 +17,17 @@ from __future__ import annotations
 
 import json
 import subprocess
+import tempfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from flashdraft.artifact.manifest import Lineage, check_done, identity, read_manifest, require_verified, sha256_json
 from flashdraft.artifact.ownership import commit_dir
+from flashdraft.bounded import read_small
 from flashdraft.errors import BadInput, ExpectedFailure
 from flashdraft.layout import engines_dir
+from flashdraft.model.staging import MAX_JSON_BYTES, architecture_of, staged_model, strip_code_references
 
 DRAFTER_FILE = "drafter.gguf"
 
@@ -39,9 +42,9 @@ def converter() -> tuple[Path, Path]:
     return python, source
 
 
-def convert(model_dir: Path, outfile: Path, outtype: str, target_dir: Path | None = None,
-            log: Callable[[str], None] = print) -> None:
-    """Run llama.cpp's converter on `model_dir` (a drafter when `target_dir` is given, else a target)."""
+def convert(model_dir: Path, outfile: Path, outtype: str, target_dir: Path | None = None, *, shown_as: Path) -> None:
+    """Run llama.cpp's converter on `model_dir` (a drafter when `target_dir` is given, else a target), a staging
+    copy of `shown_as`, the directory its errors name."""
     python, source = converter()
     command = [str(python), str(Path(__file__).with_name("gguf_convert.py")), str(source), str(model_dir),
                "--outfile", str(outfile), "--outtype", outtype]
@@ -50,7 +53,7 @@ def convert(model_dir: Path, outfile: Path, outtype: str, target_dir: Path | Non
     done = subprocess.run(command, capture_output=True, text=True)
     if done.returncode != 0:
         reason = (done.stderr.strip().splitlines() or ["no output"])[-1]
-        raise ExpectedFailure(f"llama.cpp's converter refused {model_dir}: {reason[:300]}")
+        raise ExpectedFailure(f"llama.cpp's converter refused {shown_as}: {reason.strip()[:300]!r}")
 
 
 def served_spec_type(config: dict, drafter_dir: Path) -> str:
@@ -69,19 +72,47 @@ def served_spec_type(config: dict, drafter_dir: Path) -> str:
     return "draft-dspark"
 
 
+def drafter_target_layers(config: dict) -> list[int]:
+    """The target layers a drafter's config.json reads (DeepSpec's DSpark config keeps them at the top level)."""
+    return list((config.get("dflash_config") or {}).get("target_layer_ids") or config.get("target_layer_ids") or [])
+
+
+def check_pair(config: dict, drafter_dir: Path, target_dir: Path) -> None:
+    """The drafter was made for this target (llama-server aborts on a pair whose layers do not fit: GGML_ASSERT)."""
+    from transformers import AutoConfig
+
+    from flashdraft.model.export import target_mismatches
+
+    text = AutoConfig.from_pretrained(target_dir).get_text_config()  # a config read, no code: no trust_remote_code
+    layers = drafter_target_layers(config)
+    fields = [config.get(key) for key in ("hidden_size", "num_target_layers", "vocab_size")]
+    if not layers or None in fields:
+        raise BadInput(f"{drafter_dir}/config.json is not a DFlash drafter config (no hidden_size, num_target_layers, "
+                       "vocab_size or target layers)")
+    if mismatches := target_mismatches(*fields, layers, text):
+        raise BadInput(f"{drafter_dir} was made for another target than {target_dir}: {'; '.join(mismatches)} "
+                       "(pass the target it was trained for: --target)")
+
+
 def export_gguf(drafter_dir: Path, target_ref: str, out: Path, *, outtype: str = "bf16",
                 log: Callable[[str], None] = print) -> dict[str, Any]:
+    """The drafter and its target as GGUF files in `out`, converted from allowlisted staging copies (staging.py):
+    llama.cpp's converter never sees the directories themselves, so nothing in them is run."""
     from flashdraft.model.resolve import resolve_model
 
     drafter_dir, out = Path(drafter_dir), Path(out)
     if not (drafter_dir / "config.json").is_file():
         raise BadInput(f"{drafter_dir} holds no drafter (config.json): run `flashdraft train` first")
-    converter()  # before any work: the converter is there
+    config = strip_code_references(json.loads(read_small(drafter_dir / "config.json", MAX_JSON_BYTES)))
+    architecture_of(config, drafter_dir, "drafter")  # before anything reads the directory further
     target = resolve_model(target_ref, log=log)
     if not Path(target).is_dir():
         raise BadInput(f"the GGUF export converts the target too, from a local directory: {target} is not one "
                        "(download it first, or pass --target DIR)")
-    lineage = Lineage(inputs=[identity(drafter_dir)],
+    check_pair(config, drafter_dir, Path(target))
+    converter()  # before any work: the converter is there
+    # both inputs by content: a drafter without a manifest whose weights changed in place is a new export
+    lineage = Lineage(inputs=[identity(drafter_dir), identity(target)],
                       config=sha256_json({"format": "gguf", "outtype": outtype, "target": target}))
     decision = check_done(out, lineage)
     log(decision.line("export", out))
@@ -89,14 +120,16 @@ def export_gguf(drafter_dir: Path, target_ref: str, out: Path, *, outtype: str =
         return read_manifest(out).stats
     if (drafter_dir / "manifest.json").exists():
         require_verified(drafter_dir, "drafter", "re-export it (rerun `flashdraft train`) or pull it again")
-    config = json.loads((drafter_dir / "config.json").read_text())
     spec_type = served_spec_type(config, drafter_dir)
     stats = {"format": "gguf", "outtype": outtype, "target": target, "drafter_file": DRAFTER_FILE,
              "target_file": f"target-{outtype}.gguf", "draft_vocab_size": config.get("draft_vocab_size"),
              "spec_type": spec_type}
-    with commit_dir(out, "drafter", stats=stats, lineage=lineage) as tmp:
-        convert(drafter_dir, tmp / DRAFTER_FILE, outtype, Path(target), log)
-        convert(Path(target), tmp / stats["target_file"], outtype, log=log)
+    with tempfile.TemporaryDirectory(prefix="flashdraft-gguf-stage-") as staging, \
+            staged_model(Path(target), "target", Path(staging) / "target") as staged_target, \
+            staged_model(drafter_dir, "drafter", Path(staging) / "drafter") as staged_drafter:
+        with commit_dir(out, "drafter", stats=stats, lineage=lineage) as tmp:
+            convert(staged_drafter, tmp / DRAFTER_FILE, outtype, staged_target, shown_as=drafter_dir)
+            convert(staged_target, tmp / stats["target_file"], outtype, shown_as=Path(target))
     log(f"export: {out / DRAFTER_FILE} and {out / stats['target_file']} written by llama.cpp's converter; serve "
         f"them with llama-server -m {stats['target_file']} -md {DRAFTER_FILE} --spec-type {spec_type}")
     return stats

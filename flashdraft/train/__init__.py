@@ -90,7 +90,7 @@ from flashdraft.train.distributed import (
     wrap,
 )
 from flashdraft.train.drafters import import_drafter, new_drafter
-from flashdraft.train.launch import run_launched, under_a_launcher
+from flashdraft.train.launch import die_with_launcher, run_launched, under_a_launcher
 from flashdraft.train.metrics import MetricSinks, json_rates, mean_rates, selector_metrics, truncate_metrics
 from flashdraft.train.optim import Optimizers, build_optimizers
 from flashdraft.train.step import Planned, batch_step, evaluate_heldout, plan_batch, read_results
@@ -116,6 +116,7 @@ def run(
     out = Path(out)
     if cfg.nproc_per_node > 1 and not under_a_launcher():  # this process starts the node's processes, then checks
         return run_launched(cfg, Path(data), out, require_checkpoint, log)
+    die_with_launcher()
     if int(os.environ.get("RANK", "0")) != 0:
         return _run(cfg, Path(data), out, require_checkpoint, console, log)
     refuse_overlap(out, [data, cfg.init_from, cfg.target])

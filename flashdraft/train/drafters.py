@@ -36,7 +36,7 @@ def import_drafter(cfg: TrainConfig, target_config, say) -> DFlashDrafter:
     """An existing z-lab-format drafter (a published one, to fine-tune on your data), checked against the
     target: its shape, the target layers it reads and the vocabulary must be this target's. With
     `train.architecture: dflash2`, a DFlash drafter is the backbone of a new DFlash2 one (warm start)."""
-    from flashdraft.model.export import load_drafter
+    from flashdraft.model.export import load_drafter, target_mismatches
 
     path = cfg.init_from
     if (Path(path) / MANIFEST).is_file():  # a drafter flashdraft exported: its bytes are checked before use
@@ -45,13 +45,8 @@ def import_drafter(cfg: TrainConfig, target_config, say) -> DFlashDrafter:
         say(f"train: {path} has no manifest (a drafter from elsewhere): its files are not verified")
     drafter = load_drafter(path)  # refuses weights that are not finite
     c = drafter.config
-    mismatches = [f"{what} {mine} vs the target's {theirs}" for what, mine, theirs in (
-        ("hidden size", c.hidden_size, target_config.hidden_size),
-        ("target layer count", c.num_target_layers, target_config.num_hidden_layers),
-        ("vocabulary", c.vocab_size, target_config.vocab_size),
-    ) if mine != theirs]
-    if max(drafter.target_layer_ids) >= target_config.num_hidden_layers:
-        mismatches.append(f"target layers {drafter.target_layer_ids} beyond its {target_config.num_hidden_layers}")
+    mismatches = target_mismatches(c.hidden_size, c.num_target_layers, c.vocab_size, drafter.target_layer_ids,
+                                   target_config)
     if mismatches:
         raise BadTrainingInput(f"--init-from {path} was made for another target: {'; '.join(mismatches)}")
     kind = "DFlash2" if is_dflash2(drafter) else "DSpark" if is_dspark(drafter) else "DFlash"

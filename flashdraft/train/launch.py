@@ -27,12 +27,25 @@ def under_a_launcher() -> bool:
     return "WORLD_SIZE" in os.environ and "LOCAL_RANK" in os.environ
 
 
+LAUNCHER_PID = "FLASHDRAFT_LAUNCHER_PID"  # set by launch() for its processes: whose death ends them
+
+
+def die_with_launcher() -> None:
+    """A process flashdraft's own launcher started ends when that launcher dies, even by SIGKILL (which runs no
+    cleanup of the launcher's): the kernel sends it SIGTERM (guard.py). Under torchrun, torchrun's rules apply."""
+    from flashdraft.guard import die_with_parent
+
+    if under_a_launcher() and os.environ.get(LAUNCHER_PID, "").isdigit():
+        die_with_parent(int(os.environ[LAUNCHER_PID]))
+
+
 def launch(nproc: int, train_args: list[str]) -> None:
     """Run `python -m flashdraft train ARGS` as `nproc` processes of one job; returns when all exited 0."""
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
+    os.environ[LAUNCHER_PID] = str(os.getpid())  # inherited by the processes it starts (die_with_launcher)
     threads_set = "OMP_NUM_THREADS" in os.environ
     if not threads_set:  # torchrun's reason: N processes must not each take every core (theirs only, not ours)
         os.environ["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // nproc))
@@ -52,6 +65,7 @@ def launch(nproc: int, train_args: list[str]) -> None:
         raise TrainProcessFailed(f"train: stopped by {e.sigval.name}, and its {nproc} processes with it; rerun the "
                                  "same command to resume from the newest checkpoint") from None
     finally:
+        del os.environ[LAUNCHER_PID]
         if not threads_set:
             del os.environ["OMP_NUM_THREADS"]
 

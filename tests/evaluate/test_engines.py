@@ -28,9 +28,9 @@ vllm:num_requests_running{engine="0",model_name="target"} 0.0
 
 
 def test_the_engines_counters_make_its_own_mean_acceptance_length():
-    counters = parse_metrics(METRICS)
+    counters = parse_metrics(METRICS, 3)
     assert (counters.drafts, counters.draft_tokens, counters.accepted, counters.by_position) == (2, 6, 4, (2, 2, 0))
-    made = counters.minus(parse_metrics(""))
+    made = counters.minus(parse_metrics("", 3))
     row = {"drafts": made.drafts, "draft_tokens": made.draft_tokens, "accepted": made.accepted, "tokens": 0}
     row |= {f"position_{i}": v for i, v in enumerate(made.by_position)}
     overall = summary({"set": row})["overall"]

@@ -8,12 +8,12 @@ import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 
 from flashdraft.artifact.manifest import MANIFEST, verify_dir
-from flashdraft.evaluate.engines import SERVED_NAME, engine_program, free_port, served, vllm_command
+from flashdraft.evaluate.engines import SERVED_NAME, engine_program
+from flashdraft.testing import vllm_serve
 from tests.generate.test_generate import records
 
 VLLM = engine_program("vllm", None)
@@ -29,8 +29,7 @@ def test_generate_through_vllm_resumes_after_kill_and_counts_a_refused_request(c
     config = tmp_path / "c.yaml"
     config.write_text("generate:\n  max_retries: 0\n  max_error_fraction: 0.2\n")
     out = tmp_path / "gen"
-    port = free_port()
-    with served(vllm_command(VLLM, Path(smollm2_dir), None, 4, port, 512), port, tmp_path / "vllm.log", print) as base:
+    with vllm_serve(VLLM, smollm2_dir, tmp_path / "vllm.log", 512) as base:
         args = ["generate", "--config", str(config), "--prompts", str(prompts), "--out", str(out), "--backend",
                 "openai", "--base-url", f"{base}/v1", "--model", SERVED_NAME, "--max-new-tokens", "16",
                 "--batch-size", "2"]

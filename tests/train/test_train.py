@@ -379,6 +379,23 @@ def test_nproc_per_node_starts_the_processes_itself_as_torchrun_would(tiny_targe
     left = subprocess.run(["pgrep", "-f", str(tmp_path / "long")], capture_output=True, text=True).stdout
     assert left == "", f"processes left running: {left}"
 
+    # SIGKILL to the command runs none of its code: the processes it started end with it all the same (the kernel
+    # tells each that its launcher died)
+    killed = subprocess.Popen([sys.executable, "-m", "flashdraft", "train", "--config", str(long_run), "--data",
+                               str(tiny_dataset), "--out", str(tmp_path / "killed")], stdout=subprocess.DEVNULL,
+                              stderr=subprocess.DEVNULL)
+    deadline = time.time() + 120
+    while not (tmp_path / "killed" / "checkpoints" / "step-0000002").is_dir():
+        assert killed.poll() is None and time.time() < deadline
+        time.sleep(0.1)
+    killed.kill()
+    killed.wait()
+    deadline = time.time() + 60
+    while (left := subprocess.run(["pgrep", "-f", str(tmp_path / "killed")], capture_output=True,
+                                  text=True).stdout) and time.time() < deadline:
+        time.sleep(0.2)
+    assert left == "", f"processes left running after the launcher was killed: {left}"
+
     failed = subprocess.run([sys.executable, "-m", "flashdraft", "train", "--config", str(by_itself), "--data",
                              str(tmp_path / "no-such-dataset"), "--out", str(tmp_path / "c")], capture_output=True,
                             text=True, timeout=300)
