@@ -7,8 +7,9 @@ none of them can hang or fill memory, whatever sits at the path or answers at th
 
 - **Files** are opened non-blocking (opening a FIFO with no writer would wait forever) and used only when they are
   regular files; a character device such as /dev/zero would otherwise be one endless line.
-- **Endpoints**: the deadline covers the whole check (connect, headers, every byte of the body: a server that
-  answers one byte every 2 s is cut off at the deadline, not after 5 s per byte); the body is capped; credentials
+- **Endpoints**: the deadline is a wall clock over the whole exchange (connect, status line, headers, every byte of
+  the body), enforced by a timer that shuts the socket when it passes: a server that trickles its headers or body
+  one byte every 2 s is cut off at the deadline, not after a timeout per read; the body is capped; credentials
   (a bearer key, `user:password@` in the URL, sent as HTTP basic auth as curl does) are sent only to the URL's own
   origin: a redirect to another origin is not followed. urllib rather than httpx/requests: the check is one GET,
   and the deadline and redirect rules are easier to see written out than configured.

@@ -157,6 +157,13 @@ class TrainConfig(Section):
     # cannot be pushed, training stops with the reason instead of finding out when it ends
     push_attempts: Positive = 4
     features: Literal["online", "offline"] = "online"  # offline: target features cached once, reused each epoch
+    # where the target's hidden states come from, online and offline alike: "transformers", the trainer's own copy
+    # of the target, or "engine", vLLM serving the target (started by train from scripts/engines.sh's install, or
+    # engine_python's virtualenv, with its hidden-state extraction; train/engine_features.py). The engine brings
+    # its own kernels (Gated DeltaNet included) and parallelism; it gives hidden states only, so labels: target,
+    # distill_topk and DSpark's target terms stay with feature_source: transformers.
+    feature_source: Literal["transformers", "engine"] = "transformers"
+    engine_python: str | None = None  # feature_source engine: the Python of a virtualenv with vLLM (default: ours)
     # Distillation: the offline cache also keeps the target's top-k next-token log-probabilities at every position,
     # and the loss mixes cross-entropy on them (weight `distill_weight`) with the hard labels'. 0 = hard labels only.
     distill_topk: NonNegative = 0
@@ -188,6 +195,12 @@ class TrainConfig(Section):
             if spec and ";" in spec and len(spec.split(";")) < self.nproc_per_node:
                 raise ValueError(f"{name} {spec!r} has {len(spec.split(';'))} per-process entries for "
                                  f"nproc_per_node {self.nproc_per_node}: give one per process")
+        if self.feature_source == "engine" and (self.labels == "target" or self.distill_topk or (
+                self.architecture == "dspark" and (self.dspark_l1_weight > 0 or (
+                    self.confidence_head and self.dspark_confidence_weight > 0)))):
+            raise ValueError("feature_source: engine gives the target's hidden states only; labels: target, "
+                             "distill_topk and DSpark's L1 and confidence terms read the target's distribution: "
+                             "use feature_source: transformers for them")
         if self.labels == "target" and self.features == "offline" and not self.distill_topk:
             raise ValueError("labels: target with features: offline reads the target's argmax from the cache's "
                              "top-k: set distill_topk ≥ 1 (and distill_weight: 0 for the hard labels only)")

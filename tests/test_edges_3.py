@@ -18,16 +18,8 @@ from pathlib import Path
 
 import pytest
 
-from flashdraft.evaluate.engines import (
-    Counters,
-    Endpoint,
-    EngineAnswerInvalid,
-    NotTheEngine,
-    check_engine,
-    checked,
-    healthy,
-    parse_metrics,
-)
+from flashdraft.evaluate.engines import Counters, EngineAnswerInvalid, check_engine, checked, parse_metrics
+from flashdraft.served import Endpoint, NotTheEngine, healthy
 
 STANDIN = Path(__file__).parent / "assets" / "standin_engine.py"
 
@@ -339,7 +331,7 @@ def test_the_engine_installer_uses_the_users_pip_and_a_digest_pinned_here():
 
 
 def test_an_interrupted_engine_install_is_not_taken_for_a_finished_one(tmp_path, monkeypatch):
-    from flashdraft.evaluate.engines import EngineFailed
+    from flashdraft.served import EngineFailed
 
     monkeypatch.setenv("FLASHDRAFT_ENGINES", str(tmp_path))
     python = tmp_path / "vllm" / "bin" / "python"

@@ -249,7 +249,7 @@ def run(
     for line in table.rstrip("\n").split("\n"):
         log(line)
     if failed := failed_engines(stats):
-        from flashdraft.evaluate.engines import EngineFailed
+        from flashdraft.served import EngineFailed
 
         raise EngineFailed(f"eval: {failed[0]} failed: {stats['engines'][failed[0]]['failed']} — eval's own "
                            f"measurement (τ {report['acceptance_length']:.2f}) is committed at {out} with the engine's "

@@ -95,9 +95,19 @@ class Target:
 
         return hook
 
-    def forward(self, input_ids_BT: torch.Tensor, **kwargs):
+    def use(self, source) -> None:
+        """Take the watched layers' features from `source` (an object with `features(ids_BT)`: the serving engine,
+        train/engine_features.py) instead of running this copy: `forward` then returns no output of its own, and
+        whoever reads features does not know which source gave them."""
+        self.source = source
+
+    def forward(self, input_ids_BT: torch.Tensor, own: bool = False, **kwargs):
         """The base model (no LM head) over tokens, with any cache kwargs: (its output, the watched layers'
-        outputs concatenated, B × T × n·D)."""
+        outputs concatenated, B × T × n·D). With a feature source (`use`): (None, its features), unless `own`
+        asks for this copy's pass (what needs its LM head: the held-out walk's greedy labels)."""
+        if getattr(self, "source", None) is not None and not own:
+            assert not kwargs, "a feature source computes features only"
+            return None, self.source.features(input_ids_BT).to(self.lm_head.weight.device, self.model.dtype)
         output = self.decoder(input_ids=input_ids_BT.to(self.lm_head.weight.device), **kwargs)
         features = torch.cat([self._captured[i] for i in self.layer_ids], dim=-1)
         self._captured.clear()

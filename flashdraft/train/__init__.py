@@ -29,7 +29,7 @@ import os
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import nullcontext
+from contextlib import ExitStack, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -100,7 +100,7 @@ __all__ = ["BadTrainingInput", "import_drafter", "run"]
 # Settings that say where or how output is kept, not what is trained: changing them keeps the lineage.
 # how a run is placed, not what it trains (the number of processes is in the lineage as its world size)
 NOT_LINEAGE = {"device", "target_device", "push_to", "push_attempts", "keep_checkpoints", "micro_batch", "prefetch",
-               "nproc_per_node"}
+               "nproc_per_node", "engine_python"}
 
 
 def run(
@@ -127,6 +127,12 @@ def run(
         return _run(cfg, Path(data), out, require_checkpoint, console, log)
 
 
+def not_lineage(cfg: TrainConfig) -> set[str]:
+    """The settings left out of a run's lineage: NOT_LINEAGE, and the feature source while it is transformers (a
+    run from before the engine source keeps its lineage; one on the engine's features is another run)."""
+    return NOT_LINEAGE | ({"feature_source"} if cfg.feature_source == "transformers" else set())
+
+
 def _run(cfg: TrainConfig, data: Path, out: Path, require_checkpoint: bool, console, log) -> dict:
     where = place(cfg)
     say = log if where.rank == 0 else (lambda s: None)
@@ -138,7 +144,7 @@ def _run(cfg: TrainConfig, data: Path, out: Path, require_checkpoint: bool, cons
     lineage = Lineage(
         inputs=[manifest_digest(data)],
         config=sha256_json(
-            {"train": cfg.model_dump(exclude=NOT_LINEAGE), "world": where.world, "target": identity(target_path),
+            {"train": cfg.model_dump(exclude=not_lineage(cfg)), "world": where.world, "target": identity(target_path),
              "init_from": identity(cfg.init_from) if cfg.init_from else None}
         ),
     )
@@ -181,7 +187,19 @@ def _run(cfg: TrainConfig, data: Path, out: Path, require_checkpoint: bool, cons
     if cfg.distill_topk and cfg.features != "offline":
         raise BadTrainingInput("train.distill_topk reads the target's top-k from the offline feature cache: "
                                "set train.features: offline (or distill_topk: 0)")
-    s = setup(cfg, data, out, target_path, where, console, say)
+    if cfg.feature_source == "engine":
+        from flashdraft.train.engine_features import check_engine_features
+
+        say(f"train: feature source {check_engine_features(cfg)}")
+    with ExitStack() as running:  # what the run started for itself (the feature engine) stops with it
+        return train_from(cfg, data, out, target_path, where, lineage, resume, running, console, say)
+
+
+def train_from(cfg: TrainConfig, data: Path, out: Path, target_path: str, where: Placement, lineage: Lineage,
+               resume: Path | None, running: ExitStack, console, say) -> dict:
+    """The run itself, once every input is checked: set up, resume, loop, evaluate, export."""
+    drafter_dir = out / DRAFTER
+    s = setup(cfg, data, out, target_path, where, running, console, say)
     position = {"step": 0, "epoch": 0, "batch": 0}
     if resume is not None:
         position = load_checkpoint(resume, s.model, s.optimizers)
@@ -264,7 +282,8 @@ class Setup:
     total_steps: int
 
 
-def setup(cfg: TrainConfig, data: Path, out: Path, target_path: str, where: Placement, console, say) -> Setup:
+def setup(cfg: TrainConfig, data: Path, out: Path, target_path: str, where: Placement, running: ExitStack, console,
+          say) -> Setup:
     target = Target(target_path, where.target_device, say, cfg.target_dtype)
     imported = import_drafter(cfg, target.config, say) if cfg.init_from else None
     block_size = imported.block_size if imported is not None else cfg.block_size
@@ -295,6 +314,13 @@ def setup(cfg: TrainConfig, data: Path, out: Path, target_path: str, where: Plac
             drafter.set_draft_vocab(vocab)
     drafter = drafter.to(where.device, torch.float32)
     target.watch(drafter.target_layer_ids)
+    if cfg.feature_source == "engine":  # its features come from vLLM from here on, online and offline alike
+        from flashdraft.train.engine_features import engine_features
+
+        devices = [d for d in where.target_device.split(",") if d.startswith("cuda")]
+        log_name = "engine-vllm.log" if where.world == 1 else f"engine-vllm-{where.rank}.log"
+        target.use(running.enter_context(engine_features(cfg, target_path, drafter.target_layer_ids,
+                                                         target.config.hidden_size, devices, out / log_name, say)))
     cache = None
     if cfg.features == "offline":
         from flashdraft.train.feature_cache import offline_features

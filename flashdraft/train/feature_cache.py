@@ -184,6 +184,7 @@ def offline_features(cfg: TrainConfig, data: Path, out: Path, target: Target, ta
         inputs=[manifest_digest(data)],
         config=sha256_json({"target": identity(target_path), "layers": target.layer_ids, "max_length": cfg.max_length,
                             **({"topk": cfg.distill_topk} if cfg.distill_topk else {}),
+                            **({"source": "engine"} if cfg.feature_source == "engine" else {}),
                             # features from a bfloat16 target differ: a float32 cache (what every cache before
                             # train.target_dtype was) keeps its lineage, a bfloat16 one gets its own
                             **({"dtype": str(target.model.dtype)} if target.model.dtype != torch.float32 else {})}),

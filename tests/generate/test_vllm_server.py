@@ -12,7 +12,8 @@ import time
 import pytest
 
 from flashdraft.artifact.manifest import MANIFEST, verify_dir
-from flashdraft.evaluate.engines import SERVED_NAME, engine_program
+from flashdraft.evaluate.engines import engine_program
+from flashdraft.served import SERVED_NAME
 from flashdraft.testing import vllm_serve
 from tests.generate.test_generate import records
 

@@ -1,0 +1,80 @@
+"""train.feature_source: engine — the target's hidden states from vLLM (its CPU build, started by train with its
+hidden-state extraction) give the losses transformers' own features give, step for step, online and offline; the
+engine's files are read once and deleted, and the engine stops with the run. Needs `scripts/engines.sh` (CI runs
+it); else the engine tests skip and say so."""
+
+import json
+import subprocess
+
+import pytest
+import torch
+
+from flashdraft.config import TrainConfig
+from flashdraft.served import INSTALLED_MARKER
+from flashdraft.train import run
+from flashdraft.train.engine_features import engine_python
+from tests.train.test_train import make_dataset
+
+VLLM = engine_python(TrainConfig())
+needs_vllm = pytest.mark.skipif(not (VLLM.is_file() and (VLLM.parents[1] / INSTALLED_MARKER).is_file()),
+                                reason=f"vLLM's CPU build is not installed at {VLLM}: run scripts/engines.sh")
+
+
+@pytest.fixture(scope="module")
+def engine_target(tmp_path_factory, smollm2_dir) -> str:
+    """A random-weight Llama of SmolLM2's vocabulary with 64-wide heads (vLLM's CPU attention has kernels for
+    those, not for the tiny Llama's 8)."""
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    tokenizer = AutoTokenizer.from_pretrained(smollm2_dir)
+    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=128, intermediate_size=256, num_hidden_layers=4,
+                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=512,
+                         tie_word_embeddings=True, bos_token_id=tokenizer.bos_token_id,
+                         eos_token_id=tokenizer.eos_token_id)
+    path = tmp_path_factory.mktemp("engine-llama")
+    LlamaForCausalLM(config).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def chat_dataset(tmp_path_factory):
+    """16 sequences of 40–55 tokens in SmolLM2's vocabulary."""
+    g = torch.Generator().manual_seed(3)
+    sequences = [torch.randint(0, 49152, (40 + i,), generator=g).tolist() for i in range(16)]
+    return make_dataset(tmp_path_factory.mktemp("engine-ds") / "ds", sequences)
+
+
+def losses(out) -> list[float]:
+    return [json.loads(line)["loss"] for line in (out / "metrics.jsonl").read_text().splitlines()
+            if "loss" in json.loads(line)]
+
+
+@pytest.mark.slow
+@needs_vllm
+@pytest.mark.parametrize("features", ["offline", "online"])
+def test_engine_features_train_as_transformers_features_do(tmp_path, engine_target, chat_dataset, features):
+    settings = dict(target=engine_target, num_layers=1, target_layer_ids=[0, 3], block_size=4, max_anchors=8, batch_size=2, max_steps=6,
+                    lr=3e-3, checkpoint_every=3, eval_samples=2, features=features, max_length=64)
+    # layers 0 and 3, the last: vLLM's id for it is the layer count, the state before the final norm, which is
+    # flashdraft's hook on that layer too
+    mine = run(TrainConfig(**settings), chat_dataset, tmp_path / "transformers", log=print)
+    engine = run(TrainConfig(**settings, feature_source="engine"), chat_dataset, tmp_path / "engine", log=print)
+    ours, theirs = losses(tmp_path / "transformers"), losses(tmp_path / "engine")
+    assert len(ours) == len(theirs) == 6
+    for step, (a, b) in enumerate(zip(ours, theirs, strict=True)):
+        assert abs(a - b) / abs(a) < 2e-3, (step, a, b)
+    assert engine["steps"] == mine["steps"] == 6
+    assert "vllm" in (tmp_path / "engine" / "engine-vllm.log").read_text().lower()
+    left = subprocess.run(["pgrep", "-f", "extract_hidden_states"], capture_output=True, text=True).stdout
+    assert left == "", f"the engine outlived the run: {left}"
+    assert not list(tmp_path.glob("**/*.safetensors.lock"))  # read once, deleted
+
+
+def test_the_engine_source_refuses_what_needs_the_targets_distribution():
+    with pytest.raises(ValueError, match="hidden states only"):
+        TrainConfig(feature_source="engine", labels="target", features="offline", distill_topk=4)
+    with pytest.raises(ValueError, match="hidden states only"):
+        TrainConfig(feature_source="engine", architecture="dspark")
+    TrainConfig(feature_source="engine", architecture="dspark", dspark_l1_weight=0, confidence_head=False)
