@@ -10,7 +10,9 @@ and the embedded SmolLM2 target (float32, CPU), in tokens/s:
   (b) `build_or_reuse` as `flashdraft train --features offline` runs it, with the demo's top-16 soft labels
       (distill_topk 16) and without;
   (c) the way flashdraft built it before (and the simplest peer script): one sample per target pass, the
-      top-k over the full vocabulary at every position.
+      top-k over the full vocabulary at every position;
+  (d) with --engine: `build_or_reuse` with the features from vLLM's CPU build (`train.feature_source: engine`,
+      started once before the rounds, as train starts it once a run; scripts/engines.sh installs it).
 Each runs `--rounds` times, interleaved; the fastest counts. Results are appended to benchmarks/RESULTS.md.
 """
 
@@ -21,6 +23,7 @@ import shutil
 import sys
 import tempfile
 import time
+from contextlib import ExitStack
 from datetime import UTC, datetime
 from pathlib import Path
 
@@ -36,6 +39,7 @@ def main() -> None:
     ap.add_argument("--samples", type=int, default=256)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--no-record", action="store_true")
+    ap.add_argument("--engine", action="store_true", help="also (d): the features from vLLM")
     args = ap.parse_args()
     if not (args.data / "manifest.json").is_file():
         sys.exit(f"{args.data}: no tokenized dataset; run `flashdraft run examples/demo.yaml --until tokenize`")
@@ -82,11 +86,30 @@ def main() -> None:
             logprobs = torch.log_softmax(target.lm_head(output.last_hidden_state[0]).float(), dim=-1)
             logprobs.topk(topk, dim=-1)
 
+    running = ExitStack()
+    engine = None
+    if args.engine:
+        from flashdraft.config import TrainConfig
+        from flashdraft.train.engine_features import engine_features
+
+        engine = running.enter_context(engine_features(
+            TrainConfig(feature_source="engine", max_length=512), target.path, layers, target.config.hidden_size, [],
+            Path(tempfile.mkdtemp()) / "engine-vllm.log", print))
+
+    def from_engine() -> None:
+        target.use(engine)
+        try:
+            flashdraft(0)()
+        finally:
+            target.use(None)
+
     methods = {
         "(a) bound: the target's decoder alone, length batches": bound,
         f"(b) flashdraft build_or_reuse, top-{topk} soft labels (the demo's)": flashdraft(topk),
         "(b) flashdraft build_or_reuse, features only": flashdraft(0),
         f"(c) one sample per pass, top-{topk} at every position (flashdraft before)": one_by_one,
+        **({"(d) flashdraft build_or_reuse, features only, from vLLM 0.32 (CPU build, float32)": from_engine}
+           if engine is not None else {}),
     }
     best = dict.fromkeys(methods, float("inf"))
     for _ in range(args.rounds):
@@ -96,18 +119,19 @@ def main() -> None:
             best[name] = min(best[name], time.perf_counter() - started)
             print(f"{name}: {tokens / best[name]:,.0f} tok/s", flush=True)
 
+    running.close()
     bound_rate = tokens / best[next(iter(methods))]
     lines = [
         f"### feature cache — {datetime.now(UTC):%Y-%m-%d} — SmolLM2-135M float32, CPU, {torch.get_num_threads()} "
         f"threads, {len(dataset)} demo samples ({tokens:,} tokens), layers {layers}",
         "",
         f"Command: `.venv/bin/python benchmarks/features_bench.py --data {args.data} --samples {args.samples} "
-        f"--rounds {args.rounds}` (fastest of the rounds)",
+        f"--rounds {args.rounds}{' --engine' if args.engine else ''}` (fastest of the rounds)",
         "",
         "| method | tokens/s | vs the bound | vs one sample per pass |",
         "| --- | --- | --- | --- |",
     ]
-    before = tokens / best[list(methods)[-1]]
+    before = tokens / best[f"(c) one sample per pass, top-{topk} at every position (flashdraft before)"]
     for name, seconds in best.items():
         rate = tokens / seconds
         lines.append(f"| {name} | {rate:,.0f} | {rate / bound_rate:.2f} | {rate / before:.2f} |")

@@ -270,7 +270,9 @@ def human_bytes(n: float) -> str:
 def describe(est: dict[str, Any], cfg: PipelineConfig) -> list[str]:
     """The estimate as lines a person reads before committing machines to it."""
     b = human_bytes
-    features = "offline" if cfg.train.features == "offline" else "online (cache not written; size if it were)"
+    features = ("offline" if cfg.train.features == "offline" else "online (cache not written; size if it were)") + (
+        ", from vLLM (train.feature_source: engine)" if cfg.train.feature_source == "engine" else
+        ", from the trainer's own transformers copy of the target")
     return [
         f"prompts: {est['prompts']:,} (mean {est['prompt_tokens_mean']:,.0f} prompt tokens; "
         f"{est['prompt_tokens_measured']})",

@@ -304,11 +304,15 @@ def generate_checks(g: GenerateConfig, upload_to: str | None = None) -> list[Che
 
 
 def train_checks(tr: TrainConfig) -> list[Check]:
-    """The target, an imported drafter, the devices, and the store checkpoints are pushed to."""
+    """The target, an imported drafter, the devices, the feature engine, and the store checkpoints are pushed to."""
     checks = [check_model(tr.target, "train target")]
     if tr.init_from:
         checks.append(guarded(f"--init-from {tr.init_from}", lambda: _drafter(tr.init_from)))
     checks += check_devices([tr.device, tr.target_device], "train")
+    if tr.feature_source == "engine":
+        from flashdraft.train.engine_features import check_engine_features
+
+        checks.append(guarded("train feature engine", lambda: check_engine_features(tr)))
     if tr.push_to:
         checks.append(check_store(tr.push_to))
     return checks

@@ -101,7 +101,9 @@ def work_in_progress(stage: str, path: Path, cfg: PipelineConfig) -> dict[str, A
         newest = next(iter(checkpoint_dirs(out)), None)
         info = {"done": last_logged_step(out / "metrics.jsonl"), "total": total, "unit": "steps",
                 "at_start": count(marker.get("start_step")) or 0, "started": marker.get("started"),
-                "checkpoint": newest.name if newest is not None else None}
+                "checkpoint": newest.name if newest is not None else None,
+                "feature_source": marker.get("feature_source") if marker.get("feature_source") in FEATURE_SOURCES
+                else None}
     if holder is not None:
         state = "running"
     elif (path / MANIFEST).exists():
@@ -119,6 +121,9 @@ def work_in_progress(stage: str, path: Path, cfg: PipelineConfig) -> dict[str, A
     if state == "running" and info.get("started"):
         progress.update(rate_and_eta(info))
     return progress
+
+
+FEATURE_SOURCES = ("transformers", "engine")  # what a train marker may say of its features' source
 
 
 def count(value: Any) -> int | None:
@@ -156,6 +161,8 @@ def describe_progress(p: dict[str, Any]) -> str:
     how_far = f"{p['done']} of {p['total']} {p['unit']}" if "total" in p else ""
     if p.get("checkpoint"):
         how_far += f", newest checkpoint {p['checkpoint']}"
+    if p.get("feature_source") == "engine":
+        how_far += ", target features from vLLM"
     elif p.get("unit") == "steps":
         how_far += ", no checkpoint yet"
     if p["state"] == "running":

@@ -207,7 +207,8 @@ def train_from(cfg: TrainConfig, data: Path, out: Path, target_path: str, where:
     if where.rank == 0:
         truncate_metrics(out / "metrics.jsonl", position["step"])
         # What `flashdraft status` reads of a run in progress: its length, and where this start began.
-        mark_output(out, "train", total_steps=s.total_steps, start_step=position["step"], started=now_iso())
+        mark_output(out, "train", total_steps=s.total_steps, start_step=position["step"], started=now_iso(),
+                    feature_source=cfg.feature_source)
     say(f"train: {len(s.train_ids)} training / {len(s.heldout_ids)} held-out samples, {where.world} process(es), "
         f"{s.total_steps} steps, drafter {sum(p.numel() for p in s.drafter.parameters()) / 1e6:.1f}M params, "
         f"mask token {s.drafter.mask_token_id}, target layers {s.drafter.target_layer_ids}")

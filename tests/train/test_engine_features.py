@@ -55,8 +55,9 @@ def losses(out) -> list[float]:
 @needs_vllm
 @pytest.mark.parametrize("features", ["offline", "online"])
 def test_engine_features_train_as_transformers_features_do(tmp_path, engine_target, chat_dataset, features):
-    settings = dict(target=engine_target, num_layers=1, target_layer_ids=[0, 3], block_size=4, max_anchors=8, batch_size=2, max_steps=6,
-                    lr=3e-3, checkpoint_every=3, eval_samples=2, features=features, max_length=64)
+    settings = dict(target=engine_target, num_layers=1, target_layer_ids=[0, 3], block_size=4, max_anchors=8,
+                    batch_size=2, max_steps=6, lr=3e-3, checkpoint_every=3, eval_samples=2, features=features,
+                    max_length=64)
     # layers 0 and 3, the last: vLLM's id for it is the layer count, the state before the final norm, which is
     # flashdraft's hook on that layer too
     mine = run(TrainConfig(**settings), chat_dataset, tmp_path / "transformers", log=print)
@@ -78,3 +79,26 @@ def test_the_engine_source_refuses_what_needs_the_targets_distribution():
     with pytest.raises(ValueError, match="hidden states only"):
         TrainConfig(feature_source="engine", architecture="dspark")
     TrainConfig(feature_source="engine", architecture="dspark", dspark_l1_weight=0, confidence_head=False)
+
+
+def test_status_estimate_and_preflight_know_the_feature_source(cli, tmp_path, monkeypatch):
+    from flashdraft.artifact.ownership import mark_output
+    from flashdraft.status import describe_progress, work_in_progress
+
+    config = tmp_path / "c.yaml"
+    config.write_text(f"workdir: {tmp_path / 'work'}\ntrain:\n  feature_source: engine\n  features: offline\n")
+    from flashdraft.config import load_config
+
+    cfg = load_config(config, {})
+    out = tmp_path / "work" / "train"
+    mark_output(out, "train", total_steps=10, start_step=0, started="2026-12-06T00:00:00+00:00",
+                feature_source="engine")
+    assert "target features from vLLM" in describe_progress(work_in_progress("train", out / "drafter", cfg))
+
+    estimated = cli("estimate", str(config))
+    assert estimated.returncode == 0 and "offline, from vLLM (train.feature_source: engine)" in estimated.stdout
+
+    monkeypatch.setenv("FLASHDRAFT_ENGINES", str(tmp_path / "no-engines"))
+    dry = cli("run", str(config), "--from", "train", "--until", "train", "--dry-run")
+    assert dry.returncode == 1 and "train feature engine" in dry.stdout + dry.stderr
+    assert "run scripts/engines.sh" in dry.stdout + dry.stderr
