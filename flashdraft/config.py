@@ -187,9 +187,20 @@ class TrainConfig(Section):
     # (`--standalone`), each with its entry of a "a;b" device setting (the 2 + 2 split: target_device
     # "cuda:0;cuda:1", device "cuda:2;cuda:3"). Several nodes: start `torchrun … -m flashdraft train` yourself.
     nproc_per_node: Annotated[int, Field(ge=1, le=64)] = 1
+    # several nodes as one command each: with nnodes > 1, `flashdraft train --config C --node-rank R` (or `run`) on
+    # every node starts its nproc_per_node processes and joins node 0's rendezvous at rdzv_endpoint (host:port of
+    # node 0, reachable from every node; node 0 listens there). Global rank 0 (node 0) exports; with push_to every
+    # node pulls the newest checkpoint from the store on a restart, and the other nodes verify the drafter there.
+    nnodes: Annotated[int, Field(ge=1, le=1024)] = 1
+    node_rank: Annotated[int, Field(ge=0, le=1023)] = 0  # this node's rank: `--node-rank R` on its command line
+    rdzv_endpoint: str | None = None
 
     @model_validator(mode="after")
     def _one_weighting(self) -> TrainConfig:
+        if self.nnodes > 1 and (not self.rdzv_endpoint or not self.rdzv_endpoint.rpartition(":")[2].isdigit()):
+            raise ValueError(f"nnodes {self.nnodes} needs rdzv_endpoint: node 0's host:port, reachable from every node")
+        if self.node_rank >= self.nnodes:
+            raise ValueError(f"node_rank {self.node_rank} of nnodes {self.nnodes}: ranks are 0 … {self.nnodes - 1}")
         for name in ("device", "target_device"):
             spec = getattr(self, name)
             if spec and ";" in spec and len(spec.split(";")) < self.nproc_per_node:

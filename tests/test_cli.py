@@ -45,7 +45,7 @@ FROZEN_FLAGS = {
         "--workers",
     ],
     "train": ["--architecture", "--config", "--data", "--epochs", "--features", "--init-from", "--json", "--max-steps",
-              "--out", "--push-to", "--resume", "--target"],
+              "--node-rank", "--out", "--push-to", "--resume", "--target"],
     "eval": ["--confidence-rule", "--confidence-threshold", "--config", "--decoding", "--drafter", "--engine",
              "--engine-url", "--json", "--max-new-tokens", "--max-prompts", "--out", "--prompts",
              "--target", "--temperature", "--thinking"],

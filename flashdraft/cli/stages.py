@@ -155,6 +155,8 @@ def train(
                                       "Markov head and a confidence head (train.markov_*, train.confidence_*, "
                                       "train.dspark_*).")
     ] = None,
+    node_rank: Annotated[int | None, typer.Option(
+        help="This node's rank when train.nnodes > 1 (each node runs the same command with its own rank).")] = None,
     config: ConfigFlag = None,
     json_out: JsonFlag = False,
 ) -> None:
@@ -163,7 +165,7 @@ def train(
 
     overrides = {"train.target": target, "train.max_steps": max_steps, "train.epochs": epochs,
                  "train.push_to": push_to, "train.features": features, "train.init_from": init_from,
-                 "train.architecture": architecture}
+                 "train.architecture": architecture, "train.node_rank": node_rank}
     cfg = load_config(config, overrides)
     data = data or stage_dir(cfg.workdir, "tokenize")
     out = out or train_dir(cfg.workdir)

@@ -100,7 +100,7 @@ __all__ = ["BadTrainingInput", "import_drafter", "run"]
 # Settings that say where or how output is kept, not what is trained: changing them keeps the lineage.
 # how a run is placed, not what it trains (the number of processes is in the lineage as its world size)
 NOT_LINEAGE = {"device", "target_device", "push_to", "push_attempts", "keep_checkpoints", "micro_batch", "prefetch",
-               "nproc_per_node", "engine_python"}
+               "nproc_per_node", "engine_python", "nnodes", "node_rank", "rdzv_endpoint"}
 
 
 def run(
@@ -114,7 +114,7 @@ def run(
 ) -> dict:
     """Train into `out`; rank 0, the one process that writes there, holds it locked for the whole run."""
     out = Path(out)
-    if cfg.nproc_per_node > 1 and not under_a_launcher():  # this process starts the node's processes, then checks
+    if (cfg.nproc_per_node > 1 or cfg.nnodes > 1) and not under_a_launcher():  # it starts this node's processes
         return run_launched(cfg, Path(data), out, require_checkpoint, log)
     die_with_launcher()
     if int(os.environ.get("RANK", "0")) != 0:

@@ -39,18 +39,26 @@ def die_with_launcher() -> None:
         die_with_parent(int(os.environ[LAUNCHER_PID]))
 
 
-def launch(nproc: int, train_args: list[str]) -> None:
-    """Run `python -m flashdraft train ARGS` as `nproc` processes of one job; returns when all exited 0."""
+def launch(nproc: int, train_args: list[str], nnodes: int = 1, node_rank: int = 0,
+           rdzv_endpoint: str | None = None) -> None:
+    """Run `python -m flashdraft train ARGS` as `nproc` processes of one job (on one node, or as node `node_rank` of
+    `nnodes`, meeting at node 0's `rdzv_endpoint` as torchrun's static rendezvous does); returns when all exited 0."""
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.elastic.rendezvous.api import RendezvousError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     os.environ[LAUNCHER_PID] = str(os.getpid())  # inherited by the processes it starts (die_with_launcher)
     threads_set = "OMP_NUM_THREADS" in os.environ
     if not threads_set:  # torchrun's reason: N processes must not each take every core (theirs only, not ours)
         os.environ["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // nproc))
-    config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=uuid.uuid4().hex,
-                          rdzv_backend="c10d", rdzv_endpoint="localhost:0", max_restarts=0)
+    if nnodes == 1:
+        config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=uuid.uuid4().hex,
+                              rdzv_backend="c10d", rdzv_endpoint="localhost:0", max_restarts=0)
+    else:  # node 0 hosts the rendezvous store at the endpoint; each node says its own rank (torchrun --node-rank)
+        config = LaunchConfig(min_nodes=nnodes, max_nodes=nnodes, nproc_per_node=nproc, run_id=rdzv_endpoint,
+                              rdzv_backend="static", rdzv_endpoint=rdzv_endpoint, rdzv_configs={"rank": node_rank},
+                              max_restarts=0)
     # The launcher logs each failed process at ERROR with its own summary; the process has said why already.
     logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
     try:
@@ -59,11 +67,14 @@ def launch(nproc: int, train_args: list[str]) -> None:
     except ChildFailedError as e:
         rank, failure = e.get_first_failure()
         raise TrainProcessFailed(
-            f"train: process {rank} of {nproc} exited {failure.exitcode} (its error is above); the others were "
-            "stopped. Rerun the same command: it resumes from the newest checkpoint") from None
+            f"train: process {rank} of {nproc * nnodes} exited {failure.exitcode} (its error is above); the others "
+            "were stopped. Rerun the same command: it resumes from the newest checkpoint") from None
     except SignalException as e:  # the launcher stopped every process on SIGTERM/SIGINT before raising this
         raise TrainProcessFailed(f"train: stopped by {e.sigval.name}, and its {nproc} processes with it; rerun the "
                                  "same command to resume from the newest checkpoint") from None
+    except RendezvousError as e:  # a node that never came, an endpoint nobody listens on or that is taken
+        raise TrainProcessFailed(f"train: node {node_rank} of {nnodes} could not meet the others at {rdzv_endpoint}: "
+                                 f"{str(e).splitlines()[0][:200] if str(e) else type(e).__name__}") from None
     finally:
         del os.environ[LAUNCHER_PID]
         if not threads_set:
@@ -97,13 +108,35 @@ def run_launched(cfg, data, out, require_checkpoint: bool, log) -> dict:
     from flashdraft.artifact.manifest import require_verified
     from flashdraft.layout import DRAFTER
 
-    log(f"train: starting {cfg.nproc_per_node} processes on this node (train.nproc_per_node)")
+    where = f" as node {cfg.node_rank} of {cfg.nnodes} (rendezvous at {cfg.rdzv_endpoint})" if cfg.nnodes > 1 else ""
+    log(f"train: starting {cfg.nproc_per_node} processes on this node{where} (train.nproc_per_node)")
     with tempfile.TemporaryDirectory(prefix="flashdraft-launch-") as tmp:
         settings = Path(tmp) / "train.yaml"
         settings.write_text(yaml.safe_dump({"train": cfg.model_dump(mode="json", exclude_unset=True)}))
         launch(cfg.nproc_per_node, ["--config", str(settings), "--data", str(data), "--out", str(out)]
-               + (["--resume"] if require_checkpoint else []))
+               + (["--resume"] if require_checkpoint else []), cfg.nnodes, cfg.node_rank, cfg.rdzv_endpoint)
+    if cfg.node_rank > 0:  # global rank 0, on node 0, exported the drafter; here it is checked where it was pushed
+        return drafter_in_store(cfg, log)
     drafter = Path(out) / DRAFTER
     manifest = require_verified(drafter, "train's drafter", "rerun the same command")
     log(f"train: done, verified — {drafter} (from {cfg.nproc_per_node} processes)")
     return manifest.stats
+
+
+def drafter_in_store(cfg, log) -> dict:
+    """On a node other than node 0: the drafter node 0 exported, verified in the store it was pushed to."""
+    from flashdraft.artifact.store import open_store
+    from flashdraft.artifact.sync import remote_manifest, verify_store
+    from flashdraft.layout import DRAFTER, join
+
+    if not cfg.push_to:
+        log(f"train: node {cfg.node_rank}'s processes are done; the drafter is on node 0 (no train.push_to to check "
+            "it in)")
+        return {}
+    where = join(cfg.push_to, DRAFTER)
+    store = open_store(where)
+    if problems := verify_store(store):
+        raise TrainProcessFailed(f"train: node {cfg.node_rank} is done, but the drafter at {where} does not verify: "
+                                 f"{problems[0]}")
+    log(f"train: done, verified — {where} (node 0's export, checked from node {cfg.node_rank})")
+    return remote_manifest(store)[0].stats

@@ -1,0 +1,56 @@
+"""Several nodes as one command each (train.nnodes): two "nodes" on 127.0.0.1, one process each, started as a user
+starts them (`flashdraft train --config C --node-rank R` on each, the same config), train as one node with two
+processes does — the same losses — and node 0's drafter verifies in the store, checked from node 1 too."""
+
+import json
+import socket
+import subprocess
+import sys
+
+import pytest
+
+from tests.train.test_train import write_config
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def losses(out) -> list[float]:
+    return [json.loads(line)["loss"] for line in (out / "metrics.jsonl").read_text().splitlines()
+            if "loss" in json.loads(line)]
+
+
+@pytest.mark.slow
+def test_two_nodes_train_as_one_node_of_two_processes_and_push_one_drafter(cli, tiny_target, tiny_dataset, tmp_path):
+    store = tmp_path / "store"
+    one_node = write_config(tmp_path / "one.yaml", tiny_target, batch_size=1, max_steps=3, checkpoint_every=1,
+                            nproc_per_node=2, device="cpu;cpu", target_device="cpu;cpu")
+    two_nodes = write_config(tmp_path / "two.yaml", tiny_target, batch_size=1, max_steps=3, checkpoint_every=1,
+                             nnodes=2, rdzv_endpoint=f"127.0.0.1:{free_port()}", push_to=str(store))
+    cli("train", "--config", str(one_node), "--data", str(tiny_dataset), "--out", str(tmp_path / "one"), check=True)
+
+    nodes = [subprocess.Popen([sys.executable, "-m", "flashdraft", "train", "--config", str(two_nodes), "--data",
+                               str(tiny_dataset), "--out", str(tmp_path / f"node-{rank}"), "--node-rank", str(rank)],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for rank in (0, 1)]
+    outputs = [node.communicate(timeout=600) for node in nodes]
+    for node, (_, err) in zip(nodes, outputs, strict=True):
+        assert node.returncode == 0, err[-3000:]
+    assert "as node 1 of 2" in outputs[1][0] and "node 0's export, checked from node 1" in outputs[1][0]
+
+    ours, one = losses(tmp_path / "node-0"), losses(tmp_path / "one")
+    assert len(ours) == len(one) == 3
+    assert all(abs(a - b) / abs(b) < 1e-3 for a, b in zip(ours, one, strict=True)), (ours, one)
+    assert cli("verify", str(store / "drafter")).returncode == 0
+    assert not (tmp_path / "node-1" / "drafter").exists()  # one drafter, node 0's
+
+
+def test_several_nodes_need_a_rendezvous_and_a_rank_among_them(cli, tmp_path, tiny_target):
+    from flashdraft.config import TrainConfig
+
+    with pytest.raises(ValueError, match="needs rdzv_endpoint"):
+        TrainConfig(nnodes=2)
+    with pytest.raises(ValueError, match="ranks are 0 … 1"):
+        TrainConfig(nnodes=2, rdzv_endpoint="head:29500", node_rank=2)
