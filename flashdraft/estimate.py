@@ -21,6 +21,7 @@ from typing import Any
 from flashdraft.config import EMBEDDED_TARGET, PipelineConfig, TrainConfig
 from flashdraft.errors import BadInput
 from flashdraft.model.drafter import uniform_layer_ids
+from flashdraft.model.target import linear_attention_layers
 from flashdraft.train.feature_cache import TEACHER_BYTES, feature_bytes
 
 CHARS_PER_TOKEN = 4.0  # fallback when the tokenizer is not on this machine
@@ -55,6 +56,7 @@ class TargetShape:
     head_dim: int
     vocab: int
     source: str
+    linear_attention_layers: int = 0  # a hybrid's Gated-DeltaNet layers
 
     @classmethod
     def from_config(cls, c, source: str) -> TargetShape:
@@ -70,6 +72,7 @@ class TargetShape:
             head_dim=get("head_dim") or get("hidden_size") // heads,
             vocab=get("vocab_size"),
             source=source,
+            linear_attention_layers=linear_attention_layers(c),
         )
 
 
@@ -254,7 +257,8 @@ def estimate(
         "train_gpu_hours": round(hours * procs, 1),
         "train_fits": fits,
         "eval_hours": round(eval_tokens / EVAL_TOKENS_PER_S / 3600, 2),
-        "target": {"layers": shape.layers, "hidden": shape.hidden, "vocab": shape.vocab, "from": shape.source},
+        "target": {"layers": shape.layers, "hidden": shape.hidden, "vocab": shape.vocab, "from": shape.source,
+                   "linear_attention_layers": shape.linear_attention_layers},
         "target_layer_ids": layer_ids,
     }
 
@@ -300,7 +304,10 @@ def describe(est: dict[str, Any], cfg: PipelineConfig) -> list[str]:
         + f", train.nproc_per_node {est['train_processes']})",
         f"train: ≈ {est['train_hours']:,} hours ({est['train_gpu_hours']:,} drafter GPU-hours) at ≈ "
         f"{est['train_step_s']:.2f} s a step (the step measured on one H200 — 1.18 s, batch 4, a 1.05B drafter of a "
-        "Qwen3-8B-shaped target, online — scaled by this target's and drafter's training FLOPs and the batch)",
+        "Qwen3-8B-shaped target, online — scaled by this target's and drafter's training FLOPs and the batch"
+        + (f"; its {est['target']['linear_attention_layers']} Gated-DeltaNet layers assumed on fast kernels "
+           "(flash-linear-attention, or vLLM with train.feature_source: engine): on transformers' reference loop a "
+           "step is about 1.7× longer" if est["target"]["linear_attention_layers"] else "") + ")",
         *fit_line(est),
         f"eval: ≈ {est['eval_hours']} hours ({len(cfg.eval.sources)} prompt set(s) × {cfg.eval.max_prompts} prompts "
         f"× {cfg.eval.max_new_tokens} tokens a turn, "

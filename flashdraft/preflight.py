@@ -20,6 +20,7 @@ that no listing of an artifact shows, and is deleted at once.
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import uuid
@@ -309,6 +310,8 @@ def train_checks(tr: TrainConfig) -> list[Check]:
     if tr.init_from:
         checks.append(guarded(f"--init-from {tr.init_from}", lambda: _drafter(tr.init_from)))
     checks += check_devices([tr.device, tr.target_device], "train")
+    if tr.feature_source == "transformers" and (kernels := hybrid_kernels(tr.target)):
+        checks.append(kernels)
     if tr.feature_source == "engine":
         from flashdraft.train.engine_features import check_engine_features
 
@@ -316,6 +319,20 @@ def train_checks(tr: TrainConfig) -> list[Check]:
     if tr.push_to:
         checks.append(check_store(tr.push_to))
     return checks
+
+
+def hybrid_kernels(ref: str) -> Check | None:
+    """A hybrid target (Gated-DeltaNet layers) whose config is here: which path transformers will run those layers
+    on, said before any work (a notice, not a failure: the reference loop is slower, not wrong)."""
+    from flashdraft.model.target import linear_attention_path
+
+    config = Path(ref).expanduser() / "config.json"
+    try:
+        raw = json.loads(config.read_text()) if config.is_file() else None
+    except (OSError, ValueError):
+        return None  # the target check says what is wrong with it
+    path_taken = linear_attention_path(raw.get("text_config", raw)) if isinstance(raw, dict) else None
+    return Check(f"train target's linear attention ({ref})", True, path_taken) if path_taken else None
 
 
 def pipeline_checks(cfg: PipelineConfig, stages: list[str], every: bool = True) -> list[Check]:

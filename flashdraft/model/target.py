@@ -39,6 +39,36 @@ def attention_layers(decoder: torch.nn.Module) -> list[torch.nn.Module]:
     return [layer for layer in decoder.layers if hasattr(layer, "self_attn")]
 
 
+# transformers runs Gated-DeltaNet (linear-attention) layers on these packages' kernels when they import, else on its
+# pure-PyTorch reference loop (transformers #48718: a Qwen3.5-9B training step 1.22 s on the loop, 0.70 s on them)
+LINEAR_ATTENTION_KERNELS = (("fla", "flash-linear-attention"), ("causal_conv1d", "causal-conv1d"))
+
+
+def linear_attention_layers(text_config) -> int:
+    """How many of a target's layers are linear attention (Gated DeltaNet: Qwen3.5/3.6's hybrids); 0 for the rest."""
+    get = text_config.get if isinstance(text_config, dict) else (lambda k, d=None: getattr(text_config, k, d))
+    kinds, layers, interval = get("layer_types") or [], get("num_hidden_layers"), get("full_attention_interval")
+    if isinstance(layers, int) and len(kinds) != layers and isinstance(interval, int) and interval > 0:
+        # a config that gives the pattern, not every layer: every interval-th layer is full attention (Qwen3.5's rule)
+        return sum(1 for i in range(layers) if (i + 1) % interval)
+    return sum(1 for kind in kinds if kind == "linear_attention")
+
+
+def linear_attention_path(text_config) -> str | None:
+    """For a hybrid target, what its linear-attention layers run on in transformers (None: it has none)."""
+    import importlib.util
+
+    layers = linear_attention_layers(text_config)
+    if not layers:
+        return None
+    missing = [package for module, package in LINEAR_ATTENTION_KERNELS if importlib.util.find_spec(module) is None]
+    if not missing:
+        return f"{layers} Gated-DeltaNet layers on flash-linear-attention's kernels"
+    return (f"{layers} Gated-DeltaNet layers on transformers' reference loop ({' and '.join(missing)} not installed: "
+            "about 1.7× slower a training step on a GPU, transformers #48718); FLASHDRAFT_GPU=1 ./install.sh installs "
+            "the kernels on a GPU machine, or train.feature_source: engine computes the features in vLLM")
+
+
 def weight_dtype(setting: str, device: str) -> torch.dtype:
     """The target's weight type for a `dtype` setting: `auto` is bfloat16 on CUDA (what serving runs) and float32
     on a CPU; `bfloat16` on a CPU with AVX512-BF16 or AMX runs about twice as fast (benchmarks/RESULTS.md)."""
@@ -65,6 +95,9 @@ class Target:
         if not many:
             self.model.to(device)
         self._adopt(self.model)
+        path_taken = linear_attention_path(self.config)
+        if path_taken and "reference loop" in path_taken and device.startswith("cuda"):  # a CPU has no other path
+            log(f"target: {path_taken}")
 
     @classmethod
     def from_model(cls, model: torch.nn.Module, name: str = "(in memory)") -> Target:

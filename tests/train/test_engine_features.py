@@ -5,6 +5,7 @@ it); else the engine tests skip and say so."""
 
 import json
 import subprocess
+from pathlib import Path
 
 import pytest
 import torch
@@ -102,3 +103,27 @@ def test_status_estimate_and_preflight_know_the_feature_source(cli, tmp_path, mo
     dry = cli("run", str(config), "--from", "train", "--until", "train", "--dry-run")
     assert dry.returncode == 1 and "train feature engine" in dry.stdout + dry.stderr
     assert "run scripts/engines.sh" in dry.stdout + dry.stderr
+
+
+def test_a_hybrid_targets_slow_path_is_said_before_any_work(cli, tmp_path):
+    """Qwen3.5/3.6's Gated-DeltaNet layers run on transformers' reference loop unless flash-linear-attention and
+    causal-conv1d import (neither does here): the dry run says so and names the ways out; estimate says what its
+    step time assumed."""
+    import transformers as t
+
+    from tests.evaluate.test_targets import HYBRID, SHAPE
+
+    target = tmp_path / "hybrid"
+    t.Qwen3_5ForCausalLM(t.Qwen3_5TextConfig(**SHAPE, **HYBRID)).save_pretrained(target)
+    config = tmp_path / "c.yaml"
+    config.write_text(f"workdir: {tmp_path / 'work'}\ntrain:\n  target: {target}\n")
+    dry = cli("run", str(config), "--from", "train", "--until", "train", "--dry-run")
+    line = next(x for x in (dry.stdout + dry.stderr).splitlines() if "linear attention" in x)
+    assert line.split()[0] == "ok" and "3 Gated-DeltaNet layers on transformers' reference loop" in line
+    assert "flash-linear-attention" in line and "feature_source: engine" in line
+
+    reference = Path(__file__).parents[1] / "assets" / "qwen3.6-27b-config.json"
+    estimated = cli("estimate", "examples/qwen3.6-27b.yaml", "--num-prompts", "900000", "--target-config",
+                    str(reference))
+    assert estimated.returncode == 0, estimated.stderr
+    assert "its 48 Gated-DeltaNet layers assumed on fast kernels" in estimated.stdout
