@@ -1,6 +1,6 @@
 """A child flashdraft starts never outlives it: the guard between flashdraft and a program it runs (an engine).
 
-    python flashdraft/guard.py PARENT_PID PRIVATE_DIR -- COMMAND ...   # started by evaluate/engines.py, not by hand
+    python flashdraft/guard.py PARENT_PID PRIVATE_DIR -- COMMAND ...   # started by served.py, not by hand
 
 The guard leads a process group of its own and starts COMMAND in it; everything COMMAND starts (vLLM's engine-core
 and worker processes) stays in that group. The guard stops the whole group — SIGTERM, then SIGKILL after a grace —

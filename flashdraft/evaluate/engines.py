@@ -13,11 +13,9 @@ and acceptance is read from the engine's own counters before and after:
   `…_accepted_tokens_per_pos`; τ = 1 + accepted / drafts, vLLM's own mean acceptance length (bonus included).
 
 flashdraft starts the engine from its own virtualenv (`scripts/engines.sh` makes it; `eval.engine_python` names
-it) under a guard (flashdraft/guard.py: the engine and all it starts die with flashdraft, even when flashdraft is
-killed), on a Unix socket in a directory only this user can enter, and talks to it only after the kernel says
-who listens there (SO_PEERCRED): a process of the engine's own group, so no neighbour that took a port can answer
-for it. Every answer is untrusted input, read within a deadline and a size, parsed against a schema, its counters
-checked finite, non-negative and consistent before they enter a report. Its log goes to `engine-*.log` in the
+it) as served.py starts every engine — under the guard, on a private Unix socket, answered only by its own process
+group — and stops it afterwards. Every answer is untrusted input: parsed here against a schema, its counters checked
+finite, non-negative, within the block and consistent before they enter a report. Its log goes to `engine-*.log` in the
 output. Tokens/s are measured with and without the drafter (a second start without it) unless `eval.engine_baseline`
 is off. On a 2-core CPU the numbers say whether the export is read as trained; speed there says little about a GPU.
 """
