@@ -104,12 +104,14 @@ def run(
     # Locked for the run; refused unless it is an eval report (or empty) outside the drafter and the target.
     with hold_output(out, "eval", inputs=[drafter_dir, target_path]):
         decision = check_done(out, lineage)
-        log(decision.line("eval", out))
+        done = read_manifest(out).stats if decision.done else None
+        failed = failed_engines(done) if done is not None else []
+        if not failed:
+            log(decision.line("eval", out))
+        if done is not None and not failed:
+            return done
         decoded = None  # eval's own measurement, when a report holds it but an engine failed there
-        if decision.done:
-            done = read_manifest(out).stats
-            if not (failed := failed_engines(done)):
-                return done
+        if failed:
             decoded = json.loads((out / "report.json").read_text())["prompts"]  # verified with the manifest
             log(f"eval: {out} holds eval's own measurement, but {', '.join(failed)} failed there: measuring "
                 f"{'it' if len(failed) == 1 else 'them'} again on it (eval's decoding is not redone)")
