@@ -146,7 +146,8 @@ def test_estimate_of_the_27b_example_reads_the_text_config(cli, tmp_path):
     target.write_text(json.dumps(QWEN3_6_27B))
     est = _last_json(cli("estimate", str(EXAMPLES / "qwen3.6-27b.yaml"), "--num-prompts", "900000",
                          "--target-config", str(target), "--json", check=True))
-    assert est["target"] == {"layers": 64, "hidden": 5120, "vocab": 248320, "from": str(target)}
+    assert est["target"] == {"layers": 64, "hidden": 5120, "vocab": 248320, "from": str(target),
+                             "linear_attention_layers": 48}  # Gated DeltaNet: 3 of every 4 layers
     assert est["target_layer_ids"] == [1, 16, 31, 46, 61]  # uniform from 1 to L − 3
     # 5 draft layers of the target's shape (q 24 × 256, kv 4 × 256, MLP 17,408) plus fc (5 × 5120 → 5120)
     layer = 5120 * 256 * (2 * 24 + 2 * 4) + 2 * 256 + 3 * 5120 * 17408 + 2 * 5120

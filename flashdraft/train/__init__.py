@@ -199,7 +199,7 @@ def train_from(cfg: TrainConfig, data: Path, out: Path, target_path: str, where:
                resume: Path | None, running: ExitStack, console, say) -> dict:
     """The run itself, once every input is checked: set up, resume, loop, evaluate, export."""
     drafter_dir = out / DRAFTER
-    s = setup(cfg, data, out, target_path, where, running, console, say)
+    s = setup(cfg, data, out, target_path, where, console, say, running)
     position = {"step": 0, "epoch": 0, "batch": 0}
     if resume is not None:
         position = load_checkpoint(resume, s.model, s.optimizers)
@@ -283,8 +283,9 @@ class Setup:
     total_steps: int
 
 
-def setup(cfg: TrainConfig, data: Path, out: Path, target_path: str, where: Placement, running: ExitStack, console,
-          say) -> Setup:
+def setup(cfg: TrainConfig, data: Path, out: Path, target_path: str, where: Placement, console, say,
+          running: ExitStack | None = None) -> Setup:
+    """Everything the loop needs; what the run starts for itself (the feature engine) is entered on `running`."""
     target = Target(target_path, where.target_device, say, cfg.target_dtype)
     imported = import_drafter(cfg, target.config, say) if cfg.init_from else None
     block_size = imported.block_size if imported is not None else cfg.block_size
@@ -318,6 +319,7 @@ def setup(cfg: TrainConfig, data: Path, out: Path, target_path: str, where: Plac
     if cfg.feature_source == "engine":  # its features come from vLLM from here on, online and offline alike
         from flashdraft.train.engine_features import engine_features
 
+        assert running is not None, "the engine is stopped with the run: setup needs the run's ExitStack"
         devices = [d for d in where.target_device.split(",") if d.startswith("cuda")]
         log_name = "engine-vllm.log" if where.world == 1 else f"engine-vllm-{where.rank}.log"
         target.use(running.enter_context(engine_features(cfg, target_path, drafter.target_layer_ids,
