@@ -1,0 +1,2 @@
+"""Runtime fixes for vLLM's CPU build, loaded in the vLLM processes flashdraft starts (sitecustomize.py beside this);
+nothing of flashdraft imports this package."""
