@@ -92,8 +92,10 @@ def main() -> None:
         from flashdraft.config import TrainConfig
         from flashdraft.train.engine_features import engine_features
 
+        target.watch(layers)  # the engine gives these and the last layer (model/target.py source_layers)
         engine = running.enter_context(engine_features(
-            TrainConfig(feature_source="engine", max_length=512), target.path, layers, target.config.hidden_size, [],
+            TrainConfig(feature_source="engine", max_length=512), target.path, target.source_layers(),
+            target.config.hidden_size, [],
             Path(tempfile.mkdtemp()) / "engine-vllm.log", print))
 
     def from_engine() -> None:

@@ -49,11 +49,15 @@ class Section(BaseModel):
 class GenerateConfig(Section):
     prompts: str = "builtin:demo"  # JSONL / Parquet / save_to_disk dir, or the built-in demo set
     max_prompts: Positive | None = None  # take only the first N prompts (after dedupe and sharding)
+    # hf: the target in this process (transformers); openai: OpenAI-compatible servers at base_urls (vLLM, SGLang);
+    # vllm: vLLM in this process
     backend: Literal["hf", "openai", "vllm"] = "hf"
+    # the target that writes the responses: a directory, hub id, GGUF file, or the embedded demo target
     model: str = EMBEDDED_TARGET
-    base_urls: list[str] = []
-    max_new_tokens: Positive = 256
+    base_urls: list[str] = []  # openai: the servers' base URLs (…/v1), requests spread over them
+    max_new_tokens: Positive = 256  # tokens a response may take; one that reaches it is marked length-capped
     batch_size: Positive = 64  # records per committed batch file
+    # 0: greedy (the target's own argmax); > 0: sampled (seed: each batch seeded, so a resumed one samples the same)
     temperature: NonNegativeFloat = 0.0
     # hf backend: the target's weight type while generating. auto = bfloat16 on CUDA, float32 on CPU. bfloat16 on
     # a CPU with AVX512-BF16 or AMX generates ~2x faster (measured, benchmarks/RESULTS.md); its greedy tokens
@@ -62,45 +66,50 @@ class GenerateConfig(Section):
     # on/off for every prompt, or "mixed": each prompt's mode drawn by its id (thinking_ratio of them on), so a
     # rerun or another shard draws the same. A prompt record's own boolean `thinking` wins over either.
     thinking: bool | Literal["mixed"] = False
-    thinking_ratio: Fraction = 0.5
+    thinking_ratio: Fraction = 0.5  # thinking: mixed — the share of prompts generated with thinking on
     # "final": regenerate the last assistant turn (earlier ones keep the dataset's words); "all": every assistant
     # turn, each from the history as regenerated so far — what the target would have said in the whole chat.
     turns: Literal["final", "all"] = "final"
+    # this host's shard of the prompts (0 … num_shards − 1), for generation on several hosts
     shard_index: NonNegative = 0
-    num_shards: Positive = 1
+    num_shards: Positive = 1  # how many hosts share the prompts, each with its own shard_index
     concurrency: Positive = 64  # openai: requests in flight across all endpoints
     max_retries: NonNegative = 5  # openai: retries per request (429 / 5xx / connection), with backoff
     timeout_s: PositiveFloat = 600.0  # openai: per request
     max_error_fraction: Fraction = 0.0  # requests allowed to fail (after retries) for the artifact to count as done
+    # the sampling seed, plus the batch's index, so a resumed batch samples what the first attempt would have
     seed: Seed = 0
 
 
 class TokenizeConfig(Section):
-    tokenizer: str = EMBEDDED_TARGET
+    tokenizer: str = EMBEDDED_TARGET  # the target's tokenizer and chat template (the target's directory or hub id)
     max_length: Positive = 3072  # tokens a sample keeps; the rest is cut (counted: stats truncated_tokens)
     # a completion generate stopped at max_new_tokens: "keep" its tokens (the target's own; the closing
     # end-of-turn the chat template adds is not supervised, the target never wrote it) or "drop" it (rejected.jsonl)
     length_capped: Literal["keep", "drop"] = "keep"
     workers: NonNegative = 0  # 0 = all cores
-    min_loss_fraction: Fraction = 0.3
+    min_loss_fraction: Fraction = 0.3  # a sample with a smaller share of supervised tokens is rejected (rejected.jsonl)
+    # train's block_size: the samples with a supervised run of at least one block are counted (stats anchor_valid)
     block_size: BlockSize = 16
-    rows_per_shard: Positive = 20_000
+    rows_per_shard: Positive = 20_000  # rows per Arrow shard of the dataset
 
 
 class TrainConfig(Section):
+    # the target the drafter serves: a directory, hub id, GGUF file, or the embedded demo target
     target: str = EMBEDDED_TARGET
-    num_layers: Layers = 5
+    num_layers: Layers = 5  # the drafter's decoder layers
+    # tokens a block drafts (the anchor and block_size − 1 drafts); engines speculate block_size − 1
     block_size: BlockSize = 16
     # None = uniform from 1 to L-3; each id must be a layer of the target (0 … L-1), checked when it is loaded
     target_layer_ids: Annotated[list[Annotated[int, Field(ge=0, le=1023)]], Field(min_length=1)] | None = None
-    max_anchors: Anchors = 512
-    lr: LearningRate = 6e-4
-    warmup_ratio: Fraction = 0.04
-    grad_clip: PositiveFloat = 1.0
-    epochs: Positive = 6
-    max_steps: Positive | None = None
-    max_length: Positive = 3072
-    seed: Seed = 0
+    max_anchors: Anchors = 512  # anchors (block starts) sampled per sequence a step
+    lr: LearningRate = 6e-4  # peak learning rate (AdamW; Muon's is muon_lr), after warmup, cosine decay to 0
+    warmup_ratio: Fraction = 0.04  # share of the steps the learning rate warms up over
+    grad_clip: PositiveFloat = 1.0  # gradient norm clipped to this
+    epochs: Positive = 6  # passes over the training samples (unless max_steps)
+    max_steps: Positive | None = None  # optimizer steps in all, instead of epochs
+    max_length: Positive = 3072  # tokens of a sample trained on; the rest is cut
+    seed: Seed = 0  # the seed of the drafter's initialisation, the held-out pick, the anchors and the data order
     batch_size: Positive = 4  # sequences per optimizer step (per process under torchrun)
     # sequences per forward pass, padded to the longest (1 = one at a time); same loss and gradients either way
     micro_batch: Positive = 4
@@ -110,22 +119,22 @@ class TrainConfig(Section):
     # the next step's target features computed on a thread while the drafter trains on this one; None = when
     # the target runs on other devices than the drafter (online features). Same losses either way (tested).
     prefetch: bool | None = None
-    weight_decay: NonNegativeFloat = 0.0
+    weight_decay: NonNegativeFloat = 0.0  # AdamW's decoupled weight decay
     # the loss weight of block position k is exp(−(k−1)/γ); None = the paper's γ for the block size (16: 7,
     # 10: 5, 8: 4). A smaller γ puts the weight on the first positions, which is what a weak drafter's τ rides on.
     loss_decay_gamma: PositiveFloat | None = None
     # the per-position weight of the cross-entropy: "decay", the paper's fixed exp(−(k−1)/γ), or "dpace", from the
     # draft's own detached confidence (q̃ = (1 − α)·p + α, weight = the acceptances a position carries; objective.py)
     loss: Literal["decay", "dpace"] = "decay"
-    dpace_alpha: Annotated[float, Field(gt=0, le=1)] = 0.5
+    dpace_alpha: Annotated[float, Field(gt=0, le=1)] = 0.5  # loss: dpace — α in the confidence q̃ = (1 − α)·p + α
     # the labels: the dataset's tokens, or the target's own greedy token at each position (its LM head after the
     # position before); the two differ wherever the data was sampled at T > 0 or written by someone else
     labels: Literal["data", "target"] = "data"
     # "muon": Muon (torch.optim.Muon) for the drafter's 2-D weight matrices, AdamW (lr, weight_decay) for the rest
     optimizer: Literal["adamw", "muon"] = "adamw"
     muon_lr: LearningRate | None = None  # None: 10 × lr
-    muon_momentum: Fraction = 0.95
-    muon_weight_decay: NonNegativeFloat = 0.1
+    muon_momentum: Fraction = 0.95  # optimizer: muon — its momentum
+    muon_weight_decay: NonNegativeFloat = 0.1  # optimizer: muon — its weight decay
     # "dflash2": DFlash plus a grouped dynamic causal convolution around every sublayer and a candidate selector
     # that re-ranks the LM head's top-K with the token drafted before (model/dflash2.py). Full vocabulary only.
     # "dspark": DSpark (DeepSpec): the DFlash backbone over an anchor-first block (every slot predicts, K drafts a
@@ -139,8 +148,9 @@ class TrainConfig(Section):
     # DSpark's loss (DeepSpec loss.py): weights of the cross-entropy on the labels, of the L1 distance between the
     # draft's and the target's next-token distributions, and of the confidence head's BCE against their overlap
     dspark_ce_weight: NonNegativeFloat = 0.1
+    # DSpark: weight of the L1 distance to the target's next-token distribution
     dspark_l1_weight: NonNegativeFloat = 0.9
-    dspark_confidence_weight: NonNegativeFloat = 1.0
+    dspark_confidence_weight: NonNegativeFloat = 1.0  # DSpark: weight of the confidence head's BCE
     conv_kernel_size: Annotated[int, Field(ge=1, le=128)] = 2  # DFlash2: taps of each convolution, within the block
     conv_group_size: Positive = 16  # DFlash2: channels sharing one predicted kernel
     # DFlash2: rank of the selector's codebooks (2 · vocabulary · rank parameters: its memory is checked against the
@@ -160,14 +170,19 @@ class TrainConfig(Section):
     # where the target's hidden states come from, online and offline alike: "transformers", the trainer's own copy
     # of the target, or "engine", vLLM serving the target (started by train from scripts/engines.sh's install, or
     # engine_python's virtualenv, with its hidden-state extraction; train/engine_features.py). The engine brings
-    # its own kernels (Gated DeltaNet included) and parallelism; it gives hidden states only, so labels: target,
-    # distill_topk and DSpark's target terms stay with feature_source: transformers.
+    # its own kernels (Gated DeltaNet included) and parallelism; the trainer then loads the target's embedding,
+    # final norm and LM head only, and makes its distribution from the last layer's states the engine gives.
     feature_source: Literal["transformers", "engine"] = "transformers"
     engine_python: str | None = None  # feature_source engine: the Python of a virtualenv with vLLM (default: ours)
+    # feature_source engine from a target fleet: vLLM servers already running (other hosts, their own parallelism),
+    # each started with the command train prints when one is missing; they write hidden states into
+    # engine_storage, a directory shared with every training node at the same path (train/engine_features.py)
+    engine_urls: list[str] = []
+    engine_storage: str | None = None  # engine_urls: the shared directory the servers write into (same path here)
     # Distillation: the offline cache also keeps the target's top-k next-token log-probabilities at every position,
     # and the loss mixes cross-entropy on them (weight `distill_weight`) with the hard labels'. 0 = hard labels only.
     distill_topk: NonNegative = 0
-    distill_weight: Fraction = 0.5
+    distill_weight: Fraction = 0.5  # distill_topk: the soft labels' share of the loss (1 − it: the hard labels')
     # the target's weight type while it computes features (and soft labels): auto = bfloat16 on CUDA, float32 on
     # a CPU. On a CPU with AVX512-BF16 a bfloat16 cache is 2.7x faster, and the drafter it trains scores the same
     # on float32 features (measured on the demo, which uses it).
@@ -193,6 +208,7 @@ class TrainConfig(Section):
     # node pulls the newest checkpoint from the store on a restart, and the other nodes verify the drafter there.
     nnodes: Annotated[int, Field(ge=1, le=1024)] = 1
     node_rank: Annotated[int, Field(ge=0, le=1023)] = 0  # this node's rank: `--node-rank R` on its command line
+    # nnodes > 1: node 0's host:port, where the nodes meet (torchrun's static rendezvous)
     rdzv_endpoint: str | None = None
 
     @model_validator(mode="after")
@@ -206,12 +222,12 @@ class TrainConfig(Section):
             if spec and ";" in spec and len(spec.split(";")) < self.nproc_per_node:
                 raise ValueError(f"{name} {spec!r} has {len(spec.split(';'))} per-process entries for "
                                  f"nproc_per_node {self.nproc_per_node}: give one per process")
-        if self.feature_source == "engine" and (self.labels == "target" or self.distill_topk or (
-                self.architecture == "dspark" and (self.dspark_l1_weight > 0 or (
-                    self.confidence_head and self.dspark_confidence_weight > 0)))):
-            raise ValueError("feature_source: engine gives the target's hidden states only; labels: target, "
-                             "distill_topk and DSpark's L1 and confidence terms read the target's distribution: "
-                             "use feature_source: transformers for them")
+        if self.engine_urls and (self.feature_source != "engine" or not self.engine_storage):
+            raise ValueError("engine_urls (a target fleet) go with feature_source: engine and engine_storage, the "
+                             "directory the servers write hidden states into, shared with this machine")
+        if self.feature_source == "engine" and self.init_from_target:
+            raise ValueError("init_from_target copies the target's decoder layers, which stay in the engine with "
+                             "feature_source: engine: use feature_source: transformers for it")
         if self.labels == "target" and self.features == "offline" and not self.distill_topk:
             raise ValueError("labels: target with features: offline reads the target's argmax from the cache's "
                              "top-k: set distill_topk ≥ 1 (and distill_weight: 0 for the hard labels only)")
@@ -267,12 +283,13 @@ class EvalConfig(Section):
     # one source or several, each measured and reported on its own: a prompt file, a built-in set, or a standard
     # benchmark set by name (gsm8k, math500, humaneval, mbpp, mt-bench) or as NAME=PATH (evaluate/sets.py)
     prompts: str | Annotated[list[str], Field(min_length=1)] = "builtin:chat-heldout"
-    target: str = EMBEDDED_TARGET
+    target: str = EMBEDDED_TARGET  # the target decoded with (the drafter's own)
     max_prompts: Positive = 50  # per source
     # ≥ 2: a turn's first token comes from the prompt's own pass, so with 1 no draft would ever be verified
     max_new_tokens: Annotated[int, Field(ge=2, le=INT_MAX)] = 64
+    # 0: greedy, checked token for token; > 0: lossless sampling, checked by distribution
     temperature: NonNegativeFloat = 0.0
-    thinking: bool = False
+    thinking: bool = False  # the chat template's thinking mode for every prompt
     prompt_lookup_tokens: Positive = 10  # the prompt-lookup baseline's n-gram draft length
     # the target's (and so the drafter's) weight type while decoding: auto = bfloat16 on CUDA, float32 on a CPU.
     target_dtype: Literal["auto", "bfloat16", "float32"] = "auto"
@@ -282,7 +299,7 @@ class EvalConfig(Section):
     # place of the target's top logit (0: token for token only). Why 2: evaluate/decode.py `divergence` and
     # benchmarks/RESULTS.md ("near ties") give what rounding and a decoding bug measured.
     near_tie_ulps: NonNegative = 2
-    seed: Seed = 0
+    seed: Seed = 0  # the sampling seed (temperature > 0)
     # auto: on CUDA, a static KV cache with the target's and drafter's passes captured as CUDA graphs; on a CPU,
     # the growing cache (faster there). static: the static cache on any device, and a target it cannot hold is
     # refused instead of decoded on the growing cache (evaluate/static.py says which). dynamic: the growing cache.
@@ -292,15 +309,15 @@ class EvalConfig(Section):
     # the one server at engine_url; engine_baseline starts each once more without the drafter, for tokens/s
     engine: Literal["none", "vllm", "llamacpp"] | Annotated[list[Literal["vllm", "llamacpp"]],
                                                             Field(min_length=1)] = "none"
-    engine_url: str | None = None
-    engine_python: str | None = None
-    engine_baseline: bool = True
+    engine_url: str | None = None  # an engine server already running, instead of one flashdraft starts (one engine)
+    engine_python: str | None = None  # vLLM's virtualenv Python (default: scripts/engines.sh's)
+    engine_baseline: bool = True  # also start each engine without the drafter, for its tokens/s without speculation
     # DSpark: stop each block sent for verification where its confidence head says to (None: the whole block).
     # "first": at the first slot whose confidence is below the threshold (DeepSpec, llama.cpp --spec-draft-p-min);
     # "product": where the running product of the confidences falls below it (vLLM, SGLang). eval then also
     # decodes without it, and reports both and the head's calibration by slot.
     confidence_threshold: Annotated[float, Field(gt=0, lt=1)] | None = None
-    confidence_rule: Literal["first", "product"] = "first"
+    confidence_rule: Literal["first", "product"] = "first"  # how confidence_threshold cuts a block (above)
 
     @property
     def sources(self) -> list[str]:

@@ -254,6 +254,39 @@ def test_an_eval_stopped_or_killed_leaves_no_engine_running(tmp_path, eval_setup
         assert proc.returncode == 1 and "stopped by SIGTERM" in err.strip().splitlines()[-1], err
 
 
+STOP_IN_A_FINALIZER = """
+import sys, time
+from flashdraft.cli.app import stop_signals_unwind
+from flashdraft.errors import Stopped
+
+class SlowToFinalize:  # a progress bar's __del__, where a stop signal can land
+    def __del__(self):
+        print("finalizing", flush=True)
+        time.sleep(2)
+
+try:
+    with stop_signals_unwind():
+        item = SlowToFinalize()
+        del item
+        time.sleep(5)
+except Stopped as e:
+    print("stopped by", e.signal_name, flush=True)
+    sys.exit(3)
+print("the stop was lost", flush=True)
+"""
+
+
+def test_a_stop_that_lands_in_a_finalizer_is_not_lost():
+    """Python drops an exception leaving a __del__: SIGTERM landing in one (a progress bar's, in CI) is delivered
+    again to the command's own code, so the command still stops and unwinds."""
+    proc = subprocess.Popen([sys.executable, "-c", STOP_IN_A_FINALIZER], stdout=subprocess.PIPE, text=True,
+                            stderr=subprocess.PIPE)
+    assert proc.stdout.readline() == "finalizing\n"
+    proc.send_signal(signal.SIGTERM)
+    out, _ = proc.communicate(timeout=30)
+    assert proc.returncode == 3 and out == "stopped by SIGTERM\n", out
+
+
 # ---------------------------------------------------------------------------------------------- endpoints
 
 

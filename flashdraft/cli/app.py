@@ -81,14 +81,27 @@ def stop_signals_unwind():
     def raise_stopped(signum, frame):
         raise Stopped(signal.Signals(signum).name)
 
+    def redeliver(unraisable):
+        # A signal that lands in a finalizer (a progress bar's __del__) raises there, and Python drops an exception
+        # that leaves a finalizer after printing it: the stop would be lost. It is sent again, a moment later, to
+        # land in the command's own code.
+        if isinstance(unraisable.exc_value, Stopped):
+            again = threading.Timer(0.05, os.kill, (os.getpid(), signal.Signals[unraisable.exc_value.signal_name]))
+            again.daemon = True
+            again.start()
+            return
+        previous_hook(unraisable)
+
     if threading.current_thread() is not threading.main_thread():  # only the main thread may set handlers
         yield
         return
-    previous = signal.signal(signal.SIGTERM, raise_stopped)
+    previous, previous_hook = signal.signal(signal.SIGTERM, raise_stopped), sys.unraisablehook
+    sys.unraisablehook = redeliver
     try:
         yield
     finally:
         signal.signal(signal.SIGTERM, previous)
+        sys.unraisablehook = previous_hook
 
 
 # A stage command's options that set its config section under another name than the option's.

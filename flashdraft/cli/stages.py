@@ -160,7 +160,10 @@ def train(
     config: ConfigFlag = None,
     json_out: JsonFlag = False,
 ) -> None:
-    """Train the DFlash (DFlash2, DSpark) block-diffusion drafter on the target's hidden states (torchrun for DDP)."""
+    """Train the DFlash (DFlash2, DSpark) block-diffusion drafter on the target's hidden states (torchrun for DDP).
+
+    Every other setting (block_size, lr, num_layers, draft_vocab_size, markov_rank, feature_source …) is a key of
+    the config's train: section, each with its default, bounds and meaning in docs/config-keys.md."""
     from flashdraft import train as stage
 
     overrides = {"train.target": target, "train.max_steps": max_steps, "train.epochs": epochs,

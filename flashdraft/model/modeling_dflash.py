@@ -24,6 +24,8 @@ indices into [cached context, new context, block], so a cache must hold the cont
 
 from __future__ import annotations
 
+import inspect
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -262,6 +264,21 @@ class DFlash2DecoderLayer(DFlashDecoderLayer):
         return hidden + self.mlp_conv.finish(self.mlp(x), kernel)
 
 
+def _crop(cache, keep: int) -> None:
+    """Cut a DynamicCache to its first `keep` positions: a negative crop (the tokens to remove) means the same in
+    transformers 4.57 and 5.x, where a positive one is a length in 4.57 and refused in 5.25."""
+    if (drop := cache.get_seq_length() - keep) > 0:
+        cache.crop(-drop)
+
+
+def _pick(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    """Token ids from logits (B × S × V): the argmax, or a sample of softmax(logits / temperature)."""
+    if temperature <= 0:
+        return logits.argmax(-1)
+    probs = torch.softmax(logits.float() / temperature, dim=-1)
+    return torch.multinomial(probs.view(-1, probs.shape[-1]), 1).view(probs.shape[:-1])
+
+
 def _block_size(config) -> int:
     return (getattr(config, "dflash_config", None) or {}).get("block_size") or config.block_size
 
@@ -325,6 +342,61 @@ class DFlashDraftModel(Qwen3PreTrainedModel):
         full[..., ids] = draft
         return full
 
+    def draft_block(self, hidden: torch.Tensor, anchor_ids: torch.Tensor, output_head: nn.Module,
+                    temperature: float) -> torch.Tensor:
+        """The drafts of one block (B × (K − 1)): the rows after the anchor's, argmax or sampled."""
+        return _pick(self.compute_logits(hidden[:, 1:], output_head), temperature)
+
+    @torch.inference_mode()
+    def spec_generate(self, target: nn.Module, input_ids: torch.LongTensor, max_new_tokens: int,
+                      stop_token_ids: list[int] | None = None, temperature: float = 0.0,
+                      return_stats: bool = False):
+        """Speculative decoding with `target` (a transformers causal LM holding its KV cache in a DynamicCache:
+        Llama, Qwen3, Qwen3-MoE), called as z-lab's reference model is: the prompt's ids (1 × T) → the prompt
+        and the generated ids (1 × (T + n)), stopped after the first of `stop_token_ids` or `max_new_tokens`.
+        Each step drafts a block from the anchor and the target's features, and the target verifies it in one
+        pass: greedy (temperature 0) gives target-only greedy output exactly; above it, the target's own samples
+        (a draft counts while it equals the target's sample). `return_stats`: also the tokens each step added."""
+        from transformers import DynamicCache
+
+        self.eval()
+        embed, head = target.get_input_embeddings(), target.get_output_embeddings()
+        layers = [i + 1 for i in self.target_layer_ids]  # hidden_states[0] is the embedding output
+
+        def features(output) -> torch.Tensor:
+            return torch.cat([output.hidden_states[i] for i in layers], dim=-1)
+
+        prompt, device = input_ids.shape[1], input_ids.device
+        target_cache, draft_cache = DynamicCache(), DynamicCache()
+        # transformers 5.25 renamed the cache argument (`past_key_values` is deprecated there); 4.57 knows the old
+        cached = {"cache" if "cache" in inspect.signature(target.forward).parameters else "past_key_values": target_cache}
+        output = target(input_ids, **cached, use_cache=True, output_hidden_states=True)
+        tokens = torch.cat([input_ids, _pick(output.logits[:, -1:], temperature)], dim=1)
+        context, steps = features(output), []
+        stops = set(stop_token_ids or [])
+        while tokens.shape[1] - prompt < max_new_tokens and not stops & set(tokens[0, prompt:].tolist()):
+            start = tokens.shape[1] - 1  # the anchor: the newest token, which the target has not seen yet
+            block = torch.full((1, self.block_size), self.mask_token_id, dtype=torch.long, device=device)
+            block[:, 0] = tokens[:, -1]
+            positions = torch.arange(draft_cache.get_seq_length(), start + self.block_size, device=device)
+            hidden = self(position_ids=positions[None], noise_embedding=embed(block), target_hidden=context,
+                          past_key_values=draft_cache, use_cache=True)
+            _crop(draft_cache, start)  # keep the context only: the block is drafted afresh next step
+            verify = torch.cat([block[:, :1], self.draft_block(hidden, block[:, 0], head, temperature)], dim=1)
+            output = target(verify, position_ids=torch.arange(start, start + verify.shape[1], device=device)[None],
+                            **cached, use_cache=True, output_hidden_states=True)
+            posterior = _pick(output.logits, temperature)
+            matches = (verify[:, 1:] == posterior[:, :-1]).long().cumprod(dim=1)
+            accepted = int(matches.sum())
+            tokens = torch.cat([tokens, verify[:, 1 : accepted + 1], posterior[:, accepted : accepted + 1]], dim=1)
+            _crop(target_cache, start + accepted + 1)
+            context = features(output)[:, : accepted + 1]
+            steps.append(accepted + 1)
+        new = tokens[0, prompt : prompt + max_new_tokens].tolist()
+        ends = [i for i, t in enumerate(new) if t in stops]
+        tokens = tokens[:, : prompt + (ends[0] + 1 if ends else len(new))]
+        return (tokens, steps) if return_stats else tokens
+
 
 class DFlash2DraftModel(DFlashDraftModel):
     """DFlash2: `forward` gives the hidden state of every block slot, as for DFlash; `compute_logits` scales the
@@ -345,6 +417,9 @@ class DFlash2DraftModel(DFlashDraftModel):
 
     def compute_logits(self, hidden: torch.Tensor, output_head: nn.Module) -> torch.Tensor:
         return logit_transform(output_head(hidden), self.output_multiplier, self.final_logit_softcapping)
+
+    def draft_block(self, hidden, anchor_ids, output_head, temperature):
+        return self.propose(hidden[:, 1:], anchor_ids, output_head, temperature)[0]
 
     def propose(self, hidden: torch.Tensor, anchor_ids: torch.Tensor, output_head: nn.Module,
                 temperature: float = 0.0):
@@ -395,6 +470,10 @@ class Qwen3DSparkModel(DFlashDraftModel):
 
     def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
         return draft_ids + self.d2t[draft_ids] if self.draft_vocab_size else draft_ids
+
+    def draft_block(self, hidden, anchor_ids, output_head, temperature):
+        """K drafts: every slot, the anchor's included, predicts the token after its own position."""
+        return self.propose(hidden, anchor_ids, output_head, temperature)[0]
 
     @torch.no_grad()
     def propose(self, hidden: torch.Tensor, anchor_ids: torch.Tensor, output_head: nn.Module,

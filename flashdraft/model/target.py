@@ -13,6 +13,7 @@ import logging
 from collections.abc import Callable
 
 import torch
+from transformers.modeling_outputs import BaseModelOutput
 
 from flashdraft.errors import BadInput
 from flashdraft.model.drafter import DFlashDrafter
@@ -69,6 +70,38 @@ def linear_attention_path(text_config) -> str | None:
             "the kernels on a GPU machine, or train.feature_source: engine computes the features in vLLM")
 
 
+def without_layers(config):
+    """A copy of a target's config with no decoder layers (and no per-layer lists that would have to match them)."""
+    import copy
+
+    config = copy.deepcopy(config)
+    text = config.get_text_config()
+    text.num_hidden_layers = 0
+    for per_layer in ("layer_types", "mlp_only_layers"):
+        if isinstance(getattr(text, per_layer, None), list):
+            setattr(text, per_layer, [])
+    return config
+
+
+def load_without_layers(path: str, whole, dtype: torch.dtype) -> torch.nn.Module:
+    """The target's model without decoder layers, its other weights from the checkpoint; every layer weight is an
+    expected unused key (not reported), and a weight it does need missing from the checkpoint is an error."""
+    from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as transformers_logging
+
+    verbosity = transformers_logging.get_verbosity()
+    transformers_logging.set_verbosity_error()  # the load report would list every layer weight as unexpected
+    try:
+        model, info = AutoModelForCausalLM.from_pretrained(path, config=without_layers(whole), dtype=dtype,
+                                                           output_loading_info=True)
+    finally:
+        transformers_logging.set_verbosity(verbosity)
+    if missing := sorted(info.get("missing_keys") or []):
+        raise BadInput(f"target {path}: its checkpoint lacks {', '.join(missing[:3])}, which the trainer needs "
+                       "beside an engine's features (the embedding, final norm and LM head)")
+    return model
+
+
 def weight_dtype(setting: str, device: str) -> torch.dtype:
     """The target's weight type for a `dtype` setting: `auto` is bfloat16 on CUDA (what serving runs) and float32
     on a CPU; `bfloat16` on a CPU with AVX512-BF16 or AMX runs about twice as fast (benchmarks/RESULTS.md)."""
@@ -83,18 +116,30 @@ def weight_dtype(setting: str, device: str) -> torch.dtype:
 
 class Target:
     """The frozen target: features from chosen layers via forward hooks, plus its embedding and LM head. `dtype`
-    is a weight-type setting (`auto`, `bfloat16`, `float32`; see `weight_dtype`)."""
+    is a weight-type setting (`auto`, `bfloat16`, `float32`; see `weight_dtype`).
 
-    def __init__(self, path: str, device: str, log: Callable[[str], None], dtype: str = "auto") -> None:
-        from transformers import AutoModelForCausalLM
+    `layers=False` loads its embedding, final norm and LM head only — what a trainer whose features come from a
+    serving engine needs (`use`): a 400B target's decoder layers stay in the engine. transformers loads it from a
+    copy of the config with no decoder layers, so the checkpoint's key names are its business, as for the whole."""
+
+    def __init__(self, path: str, device: str, log: Callable[[str], None], dtype: str = "auto",
+                 layers: bool = True) -> None:
+        from transformers import AutoConfig, AutoModelForCausalLM
 
         self.path = path
-        many = "," in device  # "cuda:0,cuda:1": spread the target's layers over those devices
+        many = "," in device and layers  # "cuda:0,cuda:1": spread the target's layers over those devices
+        device = device if many else device.split(",")[0]
         kwargs = {"device_map": "auto", "max_memory": _memory_map(device)} if many else {}
-        self.model = AutoModelForCausalLM.from_pretrained(self.path, dtype=weight_dtype(dtype, device), **kwargs).eval()
+        whole = AutoConfig.from_pretrained(self.path)
+        if layers:
+            self.model = AutoModelForCausalLM.from_pretrained(self.path, dtype=weight_dtype(dtype, device), **kwargs)
+        else:
+            self.model = load_without_layers(self.path, whole, weight_dtype(dtype, device))
+        self.model.eval()
         if not many:
             self.model.to(device)
         self._adopt(self.model)
+        self.config = whole.get_text_config()  # the target as it is, layers included (the drafter's shape)
         path_taken = linear_attention_path(self.config)
         if path_taken and "reference loop" in path_taken and device.startswith("cuda"):  # a CPU has no other path
             log(f"target: {path_taken}")
@@ -119,8 +164,16 @@ class Target:
             handle.remove()
         layers = self.decoder.layers
         for i in layer_ids:
-            self._hooks.append(layers[i].register_forward_hook(self._capture(i)))
+            if len(layers):  # a target loaded without its layers has its features from a source (`use`)
+                self._hooks.append(layers[i].register_forward_hook(self._capture(i)))
         self.layer_ids = list(layer_ids)
+
+    def source_layers(self) -> list[int]:
+        """The layers a feature source gives: the watched ones and the last (before the final norm), from which the
+        target's own final norm and LM head make its next-token distribution (labels: target, distillation,
+        DSpark's target terms, the held-out walk's greedy labels) exactly as its full pass would."""
+        last = self.config.num_hidden_layers - 1
+        return self.layer_ids + ([] if last in self.layer_ids else [last])
 
     def _capture(self, index: int):
         def hook(module, inputs, output):
@@ -134,13 +187,18 @@ class Target:
         whoever reads features does not know which source gave them."""
         self.source = source
 
-    def forward(self, input_ids_BT: torch.Tensor, own: bool = False, **kwargs):
+    def forward(self, input_ids_BT: torch.Tensor, **kwargs):
         """The base model (no LM head) over tokens, with any cache kwargs: (its output, the watched layers'
-        outputs concatenated, B × T × n·D). With a feature source (`use`): (None, its features), unless `own`
-        asks for this copy's pass (what needs its LM head: the held-out walk's greedy labels)."""
-        if getattr(self, "source", None) is not None and not own:
+        outputs concatenated, B × T × n·D). With a feature source (`use`) the same two, from the source's layers
+        (`source_layers`): the output's last hidden state is the last layer's through the final norm."""
+        if getattr(self, "source", None) is not None:
             assert not kwargs, "a feature source computes features only"
-            return None, self.source.features(input_ids_BT).to(self.lm_head.weight.device, self.model.dtype)
+            states = self.source.features(input_ids_BT).to(self.lm_head.weight.device, self.model.dtype)
+            width = self.config.hidden_size
+            layers = self.source_layers()
+            last = states[..., layers.index(self.config.num_hidden_layers - 1) * width:][..., :width]
+            output = BaseModelOutput(last_hidden_state=self.decoder.norm(last))
+            return output, states[..., : len(self.layer_ids) * width]
         output = self.decoder(input_ids=input_ids_BT.to(self.lm_head.weight.device), **kwargs)
         features = torch.cat([self._captured[i] for i in self.layer_ids], dim=-1)
         self._captured.clear()

@@ -90,7 +90,7 @@ from flashdraft.train.distributed import (
     wrap,
 )
 from flashdraft.train.drafters import import_drafter, new_drafter
-from flashdraft.train.launch import die_with_launcher, run_launched, under_a_launcher
+from flashdraft.train.launch import die_with_launcher, run_launched, under_a_launcher, waiting_for_the_launchers_stop
 from flashdraft.train.metrics import MetricSinks, json_rates, mean_rates, selector_metrics, truncate_metrics
 from flashdraft.train.optim import Optimizers, build_optimizers
 from flashdraft.train.step import Planned, batch_step, evaluate_heldout, plan_batch, read_results
@@ -100,7 +100,8 @@ __all__ = ["BadTrainingInput", "import_drafter", "run"]
 # Settings that say where or how output is kept, not what is trained: changing them keeps the lineage.
 # how a run is placed, not what it trains (the number of processes is in the lineage as its world size)
 NOT_LINEAGE = {"device", "target_device", "push_to", "push_attempts", "keep_checkpoints", "micro_batch", "prefetch",
-               "nproc_per_node", "engine_python", "nnodes", "node_rank", "rdzv_endpoint"}
+               "nproc_per_node", "engine_python", "nnodes", "node_rank", "rdzv_endpoint", "engine_urls",
+               "engine_storage"}
 
 
 def run(
@@ -117,8 +118,13 @@ def run(
     if (cfg.nproc_per_node > 1 or cfg.nnodes > 1) and not under_a_launcher():  # it starts this node's processes
         return run_launched(cfg, Path(data), out, require_checkpoint, log)
     die_with_launcher()
-    if int(os.environ.get("RANK", "0")) != 0:
-        return _run(cfg, Path(data), out, require_checkpoint, console, log)
+    with waiting_for_the_launchers_stop():
+        if int(os.environ.get("RANK", "0")) != 0:
+            return _run(cfg, Path(data), out, require_checkpoint, console, log)
+        return _run_rank_0(cfg, Path(data), out, require_checkpoint, console, log)
+
+
+def _run_rank_0(cfg: TrainConfig, data: Path, out: Path, require_checkpoint: bool, console, log) -> dict:
     refuse_overlap(out, [data, cfg.init_from, cfg.target])
     with output_lock(out):
         made = any((out / name).is_dir() for name in (CHECKPOINTS, DRAFTER, "features"))  # train's own layout
@@ -286,7 +292,8 @@ class Setup:
 def setup(cfg: TrainConfig, data: Path, out: Path, target_path: str, where: Placement, console, say,
           running: ExitStack | None = None) -> Setup:
     """Everything the loop needs; what the run starts for itself (the feature engine) is entered on `running`."""
-    target = Target(target_path, where.target_device, say, cfg.target_dtype)
+    # with the engine as the feature source the target's decoder layers stay there: embedding, norm and head here
+    target = Target(target_path, where.target_device, say, cfg.target_dtype, layers=cfg.feature_source != "engine")
     imported = import_drafter(cfg, target.config, say) if cfg.init_from else None
     block_size = imported.block_size if imported is not None else cfg.block_size
     dataset = load_dataset_checked(data, block_size, target.config.vocab_size, cfg.max_length)
@@ -322,8 +329,9 @@ def setup(cfg: TrainConfig, data: Path, out: Path, target_path: str, where: Plac
         assert running is not None, "the engine is stopped with the run: setup needs the run's ExitStack"
         devices = [d for d in where.target_device.split(",") if d.startswith("cuda")]
         log_name = "engine-vllm.log" if where.world == 1 else f"engine-vllm-{where.rank}.log"
-        target.use(running.enter_context(engine_features(cfg, target_path, drafter.target_layer_ids,
-                                                         target.config.hidden_size, devices, out / log_name, say)))
+        target.use(running.enter_context(engine_features(cfg, target_path, target.source_layers(),
+                                                         target.config.hidden_size, devices, out / log_name, say,
+                                                         rank=where.rank)))
     cache = None
     if cfg.features == "offline":
         from flashdraft.train.feature_cache import offline_features

@@ -17,10 +17,21 @@ Numbering: flashdraft's target layer i is decoder layer i's output (transformers
 id L is `hidden_states[L]`, and its id equal to the layer count is the last layer's output before the final norm —
 which is what flashdraft's hook on that layer reads too. So flashdraft asks for i + 1.
 
+The layers asked for are the drafter's and the target's last (model/target.py `source_layers`): the trainer
+holds the target's embedding, final norm and LM head only, and makes the target's next-token distribution from the
+last layer's states (labels: target, distillation, DSpark's target terms, the held-out walk).
+
 On a CPU vLLM's connector needs two runtime fixes outside vLLM's code (flashdraft/vllm_cpu/sitecustomize.py).
 On GPUs the engine runs on the target's devices (`train.target_device`, as CUDA_VISIBLE_DEVICES, tensor-parallel
-over them): written, not yet run on a GPU. Servers already running elsewhere (a target fleet) are not used yet: their
-files would have to reach this machine through a shared directory or a transfer vLLM supports.
+over them): written, not yet run on a GPU.
+
+**A target fleet** (`train.engine_urls`): vLLM servers already running — on other hosts, with their own tensor or
+expert parallelism — each started with the command `fleet_command` gives (flashdraft prints it when a server is
+missing or serves other layers). They write the hidden states into `train.engine_storage`, a directory shared with
+this machine at the same path (NFS, a shared volume): vLLM's connector transfers nothing itself. Before any work
+each server is asked for its model list (its served name carries the layers, so a server started for other layers
+is refused by name) and for one short sequence's states, read here from the shared directory. Rows go round-robin
+over the servers; every file is read once and deleted, as with a server flashdraft started.
 """
 
 from __future__ import annotations
@@ -51,22 +62,39 @@ def engine_python(cfg: TrainConfig) -> Path:
 
 
 def check_engine_features(cfg: TrainConfig) -> str:
-    """Before any work: the vLLM that would serve the target's hidden states is installed."""
+    """Before any work: the vLLM that would serve the target's hidden states is installed, or the fleet's servers
+    answer and their shared directory is here (which layers they serve is checked when the run knows its own)."""
+    if cfg.engine_urls:
+        storage = Path(cfg.engine_storage or "")
+        if not storage.is_dir() or not os.access(storage, os.R_OK | os.W_OK | os.X_OK):
+            raise EngineFailed(f"train.engine_storage {storage}: not a directory this machine can read and delete "
+                               "in (the fleet's servers write their hidden states there)")
+        for url in cfg.engine_urls:
+            ask(Endpoint(url=url.rstrip("/")), "/v1/models", deadline_s=10)
+        return f"vllm fleet: {len(cfg.engine_urls)} server(s), hidden states in {storage}"
     program = engine_python(cfg)
     check_installed("vllm", program, chosen=cfg.engine_python is not None)
     return f"vllm: {program}"
 
 
-def extraction_command(python: Path, target_dir: str, layer_ids: list[int], where: Path, storage: Path,
-                       max_model_len: int, dtype: str, devices: list[str]) -> list[str]:
+def served_name(layer_ids: list[int]) -> str:
+    """The name a fleet server serves the target under: it says which layers (flashdraft's numbering) it gives."""
+    return f"{SERVED_NAME}-layers-{'-'.join(map(str, layer_ids))}"
+
+
+def extraction_command(python: Path | str, target_dir: str, layer_ids: list[int], where: Path | int,
+                       storage: Path, max_model_len: int, dtype: str, devices: list[str], name: str = SERVED_NAME,
+                       host: str = "127.0.0.1") -> list[str]:
     """vLLM's OpenAI server for the target with hidden-state extraction at flashdraft's `layer_ids` (vLLM's ids
-    i + 1), writing each request's states under `storage`; prefix caching off, so every position is computed."""
+    i + 1), writing each request's states under `storage`; prefix caching off, so every position is computed.
+    `where` is the private socket of one flashdraft starts, or a fleet server's port."""
     spec = {"method": "extract_hidden_states", "num_speculative_tokens": 1,
             "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": [i + 1 for i in layer_ids]}}}
     transfer = {"kv_connector": "ExampleHiddenStatesConnector", "kv_role": "kv_producer",
                 "kv_connector_extra_config": {"shared_storage_path": str(storage)}}
+    listen = ["--uds", str(where)] if isinstance(where, Path) else ["--host", host, "--port", str(where)]
     command = [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", target_dir, "--served-model-name",
-               SERVED_NAME, "--uds", str(where), "--dtype", dtype, "--max-model-len", str(max_model_len),
+               name, *listen, "--dtype", dtype, "--max-model-len", str(max_model_len),
                "--no-enable-prefix-caching", "--seed", "0", "--speculative-config", json.dumps(spec),
                "--kv-transfer-config", json.dumps(transfer)]
     if devices:
@@ -76,49 +104,61 @@ def extraction_command(python: Path, target_dir: str, layer_ids: list[int], wher
     return command
 
 
+def fleet_command(cfg: TrainConfig, target_dir: str, layer_ids: list[int]) -> str:
+    """The command that starts one fleet server for this run, as the user copies it (their vLLM, port, GPUs)."""
+    import shlex
+
+    command = extraction_command("python", target_dir, layer_ids, 8000, Path(cfg.engine_storage or "STORAGE"),
+                                 cfg.max_length + 16, "bfloat16", ["GPU"], served_name(layer_ids), host="0.0.0.0")
+    return shlex.join(command).replace("--tensor-parallel-size GPU", "--tensor-parallel-size N")
+
+
 class EngineFeatures:
     """The target's features at the watched layers for token ids, from the engine: what `Target.forward` returns as
     its features when the target's source is the engine (model/target.py `use`)."""
 
-    def __init__(self, endpoint: Endpoint, storage: Path, layer_ids: list[int], hidden_size: int,
-                 log_path: Path) -> None:
-        self.endpoint, self.storage, self.log_path = endpoint, storage.resolve(), log_path
-        self.layer_ids, self.hidden_size = list(layer_ids), hidden_size
-        self.pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="engine-features")
+    def __init__(self, endpoints: list[Endpoint], storage: Path, layer_ids: list[int], hidden_size: int,
+                 log_path: str, name: str = SERVED_NAME, first: int = 0) -> None:
+        self.endpoints, self.storage, self.log_path = list(endpoints), storage.resolve(), log_path
+        self.layer_ids, self.hidden_size, self.name, self.first = list(layer_ids), hidden_size, name, first
+        self.pool = ThreadPoolExecutor(max_workers=4 * len(self.endpoints), thread_name_prefix="engine-features")
 
     def features(self, input_ids_BT: torch.Tensor) -> torch.Tensor:
-        """B × T × n·H float32: each row's states, its requests in flight together (the engine batches them)."""
+        """B × T × n·H float32: each row's states, its requests in flight together (the engines batch them), rows
+        round-robin over the servers (each training process starting at its own: `first`)."""
         rows = [row.tolist() for row in input_ids_BT.cpu()]
+        where = [self.endpoints[(self.first + i) % len(self.endpoints)] for i in range(len(rows))]
         try:
-            return torch.stack(list(self.pool.map(self.one, rows)))
+            return torch.stack(list(self.pool.map(self.one, rows, where)))
         except EngineFailed as e:  # the engine's own words are in its log: name it
             raise EngineFailed(f"target features from vLLM: {e} (log: {self.log_path})") from None
 
-    def one(self, ids: list[int]) -> torch.Tensor:
-        answer = ask(self.endpoint, "/v1/completions", {"model": SERVED_NAME, "prompt": ids, "max_tokens": 1,
-                                                        "temperature": 0.0}, deadline_s=ANSWER_DEADLINE_S)
+    def one(self, ids: list[int], endpoint: Endpoint) -> torch.Tensor:
+        answer = ask(endpoint, "/v1/completions", {"model": self.name, "prompt": ids, "max_tokens": 1,
+                                                   "temperature": 0.0}, deadline_s=ANSWER_DEADLINE_S)
         try:
             path = json.loads(answer)["kv_transfer_params"]["hidden_states_path"]
         except (ValueError, KeyError, TypeError):
-            raise EngineFailed(f"{self.endpoint}: its answer names no hidden-states file (is it extracting?)") from None
-        states = self.read(Path(str(path)))
+            raise EngineFailed(f"{endpoint}: its answer names no hidden-states file (is it extracting?)") from None
+        states = self.read(Path(str(path)), endpoint)
         expected = (len(ids), len(self.layer_ids), self.hidden_size)
         hidden, token_ids = states.get("hidden_states"), states.get("token_ids")
         if hidden is None or tuple(hidden.shape) != expected or token_ids is None or token_ids.tolist() != ids:
             shape = None if hidden is None else tuple(hidden.shape)
-            raise EngineFailed(f"{self.endpoint}: hidden states of shape {shape} for other tokens than asked (expected "
+            raise EngineFailed(f"{endpoint}: hidden states of shape {shape} for other tokens than asked (expected "
                                f"{expected} for the {len(ids)} sent)")
         if not bool(torch.isfinite(hidden).all()):
-            raise EngineFailed(f"{self.endpoint}: hidden states that are not finite")
+            raise EngineFailed(f"{endpoint}: hidden states that are not finite")
         return hidden.float().reshape(len(ids), -1)
 
-    def read(self, path: Path) -> dict[str, torch.Tensor]:
+    def read(self, path: Path, endpoint: Endpoint) -> dict[str, torch.Tensor]:
         """The file the engine wrote — only inside our storage directory, a regular file, never through a link —
         once the writer's lock is released; then it and its lock are deleted."""
         from safetensors.torch import load
 
         if path.parent.resolve() != self.storage or path.name.startswith("."):
-            raise EngineFailed(f"{self.endpoint}: hidden states at {path}, outside {self.storage}: not read")
+            raise EngineFailed(f"{endpoint}: hidden states at {path}, outside {self.storage}: not read (a fleet "
+                               "server writes into train.engine_storage, mounted at the same path on both)")
         lock = path.with_name(path.name + ".lock")
         try:
             with open(lock, "rb") as held:
@@ -129,7 +169,7 @@ class EngineFeatures:
                     raise EngineFailed(f"{path} is not a regular file: not read")
                 data = f.read()
         except OSError as e:
-            raise EngineFailed(f"{self.endpoint}: its hidden states at {path} cannot be read: {e}") from None
+            raise EngineFailed(f"{endpoint}: its hidden states at {path} cannot be read: {e}") from None
         finally:
             for done in (path, lock):
                 done.unlink(missing_ok=True)
@@ -138,8 +178,16 @@ class EngineFeatures:
 
 @contextmanager
 def engine_features(cfg: TrainConfig, target_dir: str, layer_ids: list[int], hidden_size: int, devices: list[str],
-                    log_path: Path, log: Callable[[str], None]) -> Iterator[EngineFeatures]:
-    """vLLM serving the target's hidden states for the run; stopped (and its files removed) when the block ends."""
+                    log_path: Path, log: Callable[[str], None], rank: int = 0) -> Iterator[EngineFeatures]:
+    """vLLM serving the target's hidden states for the run: the fleet at train.engine_urls, checked first, or a
+    server of its own, stopped (and its files removed) when the block ends."""
+    if cfg.engine_urls:
+        source = fleet_features(cfg, target_dir, layer_ids, hidden_size, rank, log)
+        try:
+            yield source
+        finally:
+            source.pool.shutdown(wait=True)
+        return
     dtype = cfg.target_dtype if cfg.target_dtype != "auto" else ("bfloat16" if devices else "float32")
     storage = Path(tempfile.mkdtemp(prefix="flashdraft-hidden-states-"))  # 0700: ours alone
     env = {"PYTHONPATH": os.pathsep.join(filter(None, [str(FIXES), os.environ.get("PYTHONPATH")]))}
@@ -153,10 +201,38 @@ def engine_features(cfg: TrainConfig, target_dir: str, layer_ids: list[int], hid
                                       dtype, devices)
 
         with served(command, log_path, log, env=env) as endpoint:
-            source = EngineFeatures(endpoint, storage, layer_ids, hidden_size, log_path)
+            source = EngineFeatures([endpoint], storage, layer_ids, hidden_size, str(log_path))
             try:
                 yield source
             finally:
                 source.pool.shutdown(wait=True)
     finally:
         shutil.rmtree(storage, ignore_errors=True)
+
+
+def fleet_features(cfg: TrainConfig, target_dir: str, layer_ids: list[int], hidden_size: int, rank: int,
+                   log: Callable[[str], None]) -> EngineFeatures:
+    """The fleet's servers, each checked before any work: it serves these layers (by its served name) and one short
+    sequence's states arrive in the shared directory, of the shape this run needs."""
+    name = served_name(layer_ids)
+    endpoints = [Endpoint(url=url.rstrip("/")) for url in cfg.engine_urls]
+    start_one = f"start each server with: {fleet_command(cfg, target_dir, layer_ids)}"
+    for endpoint in endpoints:
+        try:
+            listed = [m.get("id") for m in json.loads(ask(endpoint, "/v1/models", deadline_s=10))["data"]]
+        except (ValueError, KeyError, TypeError, AttributeError):
+            raise EngineFailed(f"{endpoint}/v1/models: not an OpenAI model list; {start_one}") from None
+        if name not in listed:
+            raise EngineFailed(f"{endpoint} serves {listed}, not {name} (the target's hidden states at layers "
+                               f"{layer_ids}, which this run needs); {start_one}")
+    source = EngineFeatures(endpoints, Path(cfg.engine_storage or ""), layer_ids, hidden_size,
+                            "the fleet servers' own logs", name, first=rank)
+    probe = torch.tensor([[1, 2, 3]] * len(endpoints))  # a row to each server
+    try:
+        source.features(probe)
+    except EngineFailed as e:
+        source.pool.shutdown(wait=True)
+        raise EngineFailed(f"train.engine_urls: {e}") from None
+    log(f"train: target features from {len(endpoints)} vLLM server(s) ({', '.join(map(str, endpoints))}), layers "
+        f"{[i + 1 for i in layer_ids]} in their numbering, through {source.storage}")
+    return source

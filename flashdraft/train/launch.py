@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
+import time
 import uuid
 from contextlib import contextmanager
 
@@ -28,6 +29,35 @@ def under_a_launcher() -> bool:
 
 
 LAUNCHER_PID = "FLASHDRAFT_LAUNCHER_PID"  # set by launch() for its processes: whose death ends them
+PEER_STOP_GRACE_S = 10.0  # the launcher sees a process end within a second and stops the others at once
+
+
+# what torch's collectives say when a peer process is gone (gloo's TCP pairs, NCCL's aborted communicators)
+PEER_LOST = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "NCCL communicator was aborted")
+
+
+@contextmanager
+def waiting_for_the_launchers_stop():
+    """One process of several whose step failed because a peer stopped or died (gloo: "Connection closed by peer")
+    is stopped by its launcher a moment later (SIGTERM, raised here as Stopped: one line), and the launcher's own
+    line says which process failed first. So it waits for that stop before calling its failure a bug. A lost peer
+    that no stop follows (another node died) is one line that says so; any other failure is this process's own,
+    and keeps its traceback."""
+    try:
+        yield
+    except ExpectedFailure:
+        raise
+    except Exception as e:
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+        if world == 1:
+            raise
+        time.sleep(PEER_STOP_GRACE_S)
+        if any(words in str(e) for words in PEER_LOST):
+            raise TrainProcessFailed(
+                f"train: process {os.environ.get('RANK', '?')} of {world} lost its connection to the others (another "
+                "process or node stopped or failed; its own log says why). Rerun the same command on every node: it "
+                "resumes from the newest checkpoint") from None
+        raise
 
 
 def die_with_launcher() -> None:

@@ -162,8 +162,7 @@ def target_pass(target: Target, ids_BT: torch.Tensor, context_len: int, want_lab
     greedy label at every position up to T (B × (T + 1): at p, the argmax of its distribution after p − 1; at 0 the
     token itself); with `want_hidden` its last hidden state at every position (B × T × D, for DSpark's target
     distributions). The LM head is applied a slice of positions at a time, never to B × T × V at once."""
-    # features only: from the target's source (an engine gives no more); labels or hidden states: its own pass
-    output, features = target.forward(ids_BT, own=want_labels or want_hidden)
+    output, features = target.forward(ids_BT)  # its own pass, or its feature source's (model/target.py)
     if not want_labels and not want_hidden:
         return features[:, :context_len], None, None
     hidden = output.last_hidden_state

@@ -102,6 +102,22 @@ def test_init_from_target_starts_from_what_the_target_computes(target_dir):
     assert wired.min() > 0.9  # (the other layers enter at a tenth of their random scale)
 
 
+def spec_generate_equals_eval(drafter_dir, target: Target, loaded, stops: set[int]) -> bool:
+    """`spec_generate` of the exported drafter, loaded as z-lab's users load theirs (trust_remote_code), called as
+    z-lab's README calls it: the prompt and eval's greedy tokens, with eval's acceptance at every step."""
+    from transformers import AutoModel
+
+    remote = AutoModel.from_pretrained(drafter_dir, trust_remote_code=True, dtype=torch.float32)
+    for prompt in (PROMPT, [70, 3, 3, 51]):
+        spec = SpecDecoder(target, loaded, stop_ids=stops).generate(prompt, 40)
+        ids, steps = remote.spec_generate(input_ids=torch.tensor([prompt]), max_new_tokens=40, temperature=0.0,
+                                          target=target.model, stop_token_ids=sorted(stops), return_stats=True)
+        target.discard_features()
+        assert ids[0, : len(prompt)].tolist() == prompt and ids[0, len(prompt) :].tolist() == spec.tokens, prompt
+        assert steps[: len(spec.accepted)] == [n + 1 for n in spec.accepted], (steps, spec.accepted)
+    return True
+
+
 @pytest.mark.parametrize("architecture", ["dflash", "dflash2"])
 def test_speculative_decoding_is_lossless_on_every_target_kind(target_dir, tmp_path, architecture):
     target = Target(target_dir, "cpu", lambda s: None)
@@ -151,6 +167,8 @@ def test_speculative_decoding_is_lossless_on_every_target_kind(target_dir, tmp_p
         accepted += spec.accepted
     assert sum(n + 1 for n in accepted) / len(accepted) > 1.0  # τ over the prompts
     assert any(n < 7 for n in accepted), accepted  # drafts were rejected too
+    if "qwen3_5" not in target_dir:  # z-lab's call on the exported directory: eval's tokens and acceptances
+        assert spec_generate_equals_eval(tmp_path / "drafter", target, loaded, stops)
     # a rejection after a partial acceptance (the hybrid's rollback: the decoder's, shared by both drafters); on the
     # hybrid's looping continuation DFlash2's selector learns every block whole, so it is asked of DFlash alone
     assert architecture == "dflash2" or any(0 < n < 7 for n in accepted), accepted
@@ -242,3 +260,28 @@ def test_sampling_on_a_hybrid_keeps_the_target_distribution(tmp_path):
     chi2 = float((((counts - expected) ** 2) / expected)[keep].sum())
     assert chi2 < 35.0, (chi2, counts.tolist(), expected.tolist())  # df ≤ 9: p < 1e-4 for a correct sampler
     assert partial > n // 10  # many samples went through a cut-short block and its rollback
+
+
+def test_a_target_without_its_layers_takes_every_output_from_its_feature_source(target_dir):
+    """`layers=False` (train.feature_source: engine) loads the embedding, final norm and LM head only; given the
+    source layers' states it returns the full pass's features and last hidden state — the norm applied to the last
+    layer's output — so labels, distillation and the held-out walk need no decoder layers here."""
+    whole = Target(target_dir, "cpu", log=print, dtype="float32")
+    head_only = Target(target_dir, "cpu", log=print, dtype="float32", layers=False)
+    assert len(head_only.decoder.layers) == 0 and head_only.config.num_hidden_layers == 4
+    assert sum(p.numel() for p in head_only.model.parameters()) < sum(p.numel() for p in whole.model.parameters()) / 2
+    for name in ("embed_tokens", "norm"):
+        assert torch.equal(getattr(head_only.decoder, name).weight, getattr(whole.decoder, name).weight), name
+    assert torch.equal(head_only.lm_head.weight, whole.lm_head.weight)
+
+    head_only.watch([0, 2])
+    whole.watch(head_only.source_layers())  # what an engine gives: the watched layers and the last
+    assert head_only.source_layers() == [0, 2, 3]
+    head_only.use(whole)
+    ids = torch.tensor([PROMPT])
+    with torch.no_grad():
+        output, features = head_only.forward(ids)
+        whole.watch([0, 2])
+        reference, expected = whole.forward(ids)
+    assert torch.allclose(features, expected, atol=1e-6)
+    assert torch.allclose(output.last_hidden_state, reference.last_hidden_state, atol=1e-5)

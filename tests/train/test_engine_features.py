@@ -4,6 +4,7 @@ engine's files are read once and deleted, and the engine stops with the run. Nee
 it); else the engine tests skip and say so."""
 
 import json
+import os
 import subprocess
 from pathlib import Path
 
@@ -11,7 +12,7 @@ import pytest
 import torch
 
 from flashdraft.config import TrainConfig
-from flashdraft.served import INSTALLED_MARKER
+from flashdraft.served import INSTALLED_MARKER, EngineFailed
 from flashdraft.train import run
 from flashdraft.train.engine_features import engine_python
 from tests.train.test_train import make_dataset
@@ -52,34 +53,80 @@ def losses(out) -> list[float]:
             if "loss" in json.loads(line)]
 
 
-@pytest.mark.slow
-@needs_vllm
-@pytest.mark.parametrize("features", ["offline", "online"])
-def test_engine_features_train_as_transformers_features_do(tmp_path, engine_target, chat_dataset, features):
-    settings = dict(target=engine_target, num_layers=1, target_layer_ids=[0, 3], block_size=4, max_anchors=8,
-                    batch_size=2, max_steps=6, lr=3e-3, checkpoint_every=3, eval_samples=2, features=features,
-                    max_length=64)
+@pytest.fixture
+def fleet(tmp_path, engine_target):
+    """A vLLM server already running, as a target fleet's are: started by hand with the command train prints (here
+    on a loopback port), writing hidden states into a directory shared with the trainer."""
+    from flashdraft.testing import free_port_block, http_server
+    from flashdraft.train.engine_features import FIXES, extraction_command, served_name
+
+    storage = tmp_path / "shared"
+    storage.mkdir()
+    port = free_port_block(1)[0]
+    command = extraction_command(VLLM, engine_target, [0, 3], port, storage, 80, "float32", [],
+                                 served_name([0, 3]))
+    env = dict(os.environ, PYTHONPATH=str(FIXES), VLLM_CPU_KVCACHE_SPACE="1")
+    with http_server(command, port, tmp_path / "fleet-vllm.log", 600, env=env) as url:
+        yield url, storage
+
+
+SETTINGS = dict(num_layers=1, target_layer_ids=[0, 3], block_size=4, max_anchors=8, batch_size=2, max_steps=6,
+                lr=3e-3, checkpoint_every=3, eval_samples=2, max_length=64)
+
+
+def trains_as_transformers_do(tmp_path, data, settings: dict, **engine_settings) -> None:
+    """Train on transformers' features and on the engine's: the losses agree step for step, and the held-out walk
+    (its greedy labels from the last layer's states) runs."""
     # layers 0 and 3, the last: vLLM's id for it is the layer count, the state before the final norm, which is
-    # flashdraft's hook on that layer too
-    mine = run(TrainConfig(**settings), chat_dataset, tmp_path / "transformers", log=print)
-    engine = run(TrainConfig(**settings, feature_source="engine"), chat_dataset, tmp_path / "engine", log=print)
+    # flashdraft's hook on that layer too, and what the trainer's own final norm and LM head make labels from
+    mine = run(TrainConfig(**settings), data, tmp_path / "transformers", log=print)
+    engine = run(TrainConfig(**settings, feature_source="engine", **engine_settings), data, tmp_path / "engine",
+                 log=print)
     ours, theirs = losses(tmp_path / "transformers"), losses(tmp_path / "engine")
     assert len(ours) == len(theirs) == 6
     for step, (a, b) in enumerate(zip(ours, theirs, strict=True)):
         assert abs(a - b) / abs(a) < 2e-3, (step, a, b)
     assert engine["steps"] == mine["steps"] == 6
+    held = [json.loads(line)["heldout"] for line in (tmp_path / "engine" / "metrics.jsonl").read_text().splitlines()
+            if "heldout" in json.loads(line)]
+    assert held and all(h["serving_acceptance_length"] >= 1 for h in held)
+
+
+@pytest.mark.slow
+@needs_vllm
+def test_engine_features_train_as_transformers_features_do(tmp_path, engine_target, chat_dataset):
+    """Online, plain labels, from a vLLM train starts itself and stops with the run."""
+    trains_as_transformers_do(tmp_path, chat_dataset, dict(target=engine_target, **SETTINGS, features="online"))
     assert "vllm" in (tmp_path / "engine" / "engine-vllm.log").read_text().lower()
     left = subprocess.run(["pgrep", "-f", "extract_hidden_states"], capture_output=True, text=True).stdout
     assert left == "", f"the engine outlived the run: {left}"
     assert not list(tmp_path.glob("**/*.safetensors.lock"))  # read once, deleted
 
 
-def test_the_engine_source_refuses_what_needs_the_targets_distribution():
-    with pytest.raises(ValueError, match="hidden states only"):
-        TrainConfig(feature_source="engine", labels="target", features="offline", distill_topk=4)
-    with pytest.raises(ValueError, match="hidden states only"):
-        TrainConfig(feature_source="engine", architecture="dspark")
-    TrainConfig(feature_source="engine", architecture="dspark", dspark_l1_weight=0, confidence_head=False)
+@pytest.mark.slow
+@needs_vllm
+def test_a_target_fleet_gives_the_targets_distribution_too(tmp_path, engine_target, chat_dataset, fleet):
+    """Offline, with the target's own labels and top-4 distillation, from a server already running (a fleet of
+    one): the trainer's final norm and LM head over the last layer's states give transformers' distribution."""
+    url, storage = fleet
+    shared = dict(engine_urls=[url], engine_storage=str(storage))
+    recipe = dict(labels="target", distill_topk=4, features="offline")
+    wrong = TrainConfig(target=engine_target, **{**SETTINGS, "target_layer_ids": [1, 3]}, **recipe,
+                        feature_source="engine", **shared)
+    with pytest.raises(EngineFailed, match=r"not target-layers-1-3 .* start each server with: python -m vllm"):
+        run(wrong, chat_dataset, tmp_path / "wrong", log=print)
+    assert not (tmp_path / "wrong" / "features").exists()  # refused before any work
+
+    trains_as_transformers_do(tmp_path, chat_dataset, dict(target=engine_target, **SETTINGS, **recipe), **shared)
+    assert list(storage.iterdir()) == []  # every file the fleet wrote for us was read once and deleted
+
+
+def test_the_engine_source_keeps_the_targets_layers_where_they_are():
+    with pytest.raises(ValueError, match="init_from_target copies the target's decoder layers"):
+        TrainConfig(feature_source="engine", init_from_target=True)
+    with pytest.raises(ValueError, match="engine_storage"):
+        TrainConfig(feature_source="engine", engine_urls=["http://10.0.0.5:8000"])
+    TrainConfig(feature_source="engine", labels="target", features="offline", distill_topk=4, architecture="dspark")
 
 
 def test_status_estimate_and_preflight_know_the_feature_source(cli, tmp_path, monkeypatch):

@@ -3,9 +3,11 @@ starts them (`flashdraft train --config C --node-rank R` on each, the same confi
 processes does — the same losses — and node 0's drafter verifies in the store, checked from node 1 too."""
 
 import json
+import signal
 import socket
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -45,6 +47,41 @@ def test_two_nodes_train_as_one_node_of_two_processes_and_push_one_drafter(cli, 
     assert all(abs(a - b) / abs(b) < 1e-3 for a, b in zip(ours, one, strict=True)), (ours, one)
     assert cli("verify", str(store / "drafter")).returncode == 0
     assert not (tmp_path / "node-1" / "drafter").exists()  # one drafter, node 0's
+
+
+def node(config, data, out, rank: int) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "flashdraft", "train", "--config", str(config), "--data", str(data),
+                             "--out", str(out), "--node-rank", str(rank)], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+
+
+@pytest.mark.slow
+def test_a_killed_node_leaves_one_line_and_the_same_commands_resume_from_the_store(cli, tiny_target, tiny_dataset,
+                                                                                   tmp_path):
+    """Node 1 killed (SIGKILL) mid-run: node 0 says in one line that it lost the others; the same two commands,
+    rerun, pull the newest checkpoint from the store and finish, and the drafter verifies there."""
+    store = tmp_path / "store"
+    config = write_config(tmp_path / "two.yaml", tiny_target, batch_size=1, max_steps=40, checkpoint_every=1,
+                          nnodes=2, rdzv_endpoint=f"127.0.0.1:{free_port()}", push_to=str(store))
+    first = [node(config, tiny_dataset, tmp_path / f"node-{rank}", rank) for rank in (0, 1)]
+    deadline = time.time() + 300
+    while not (store / "checkpoints" / "step-0000002").is_dir():
+        assert all(n.poll() is None for n in first) and time.time() < deadline, [n.communicate() for n in first]
+        time.sleep(0.05)
+    first[1].send_signal(signal.SIGKILL)
+    first[1].wait()
+    _, err = first[0].communicate(timeout=300)
+    assert first[0].returncode == 1 and "Traceback" not in err, err[-3000:]
+    assert "lost its connection to the others" in err and "exited 1" in err.strip().splitlines()[-1]
+    assert not (store / "drafter").exists()
+
+    again = [node(config, tiny_dataset, tmp_path / f"node-{rank}", rank) for rank in (0, 1)]
+    outputs = [n.communicate(timeout=600) for n in again]
+    for n, (_, err) in zip(again, outputs, strict=True):
+        assert n.returncode == 0, err[-3000:]
+    resumed = [line for line in outputs[0][1].splitlines() if "resuming from step-" in line]
+    assert resumed and "resuming from step-0000000" not in resumed[0], outputs[0][1][-3000:]
+    assert cli("verify", str(store / "drafter")).returncode == 0
 
 
 def test_several_nodes_need_a_rendezvous_and_a_rank_among_them(cli, tmp_path, tiny_target):
