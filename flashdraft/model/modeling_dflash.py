@@ -7,8 +7,9 @@ gives a model that computes what flashdraft trained. This file is copied next to
 working under every transformers version flashdraft supports (4.57, which the z-lab reference pins, and 5.x).
 
 Its interface is the z-lab reference's (`forward(position_ids, noise_embedding, target_hidden,
-past_key_values)` → hidden states, `compute_logits(hidden, output_head)`), so code written for the published
-drafters runs on ours. What it computes is flashdraft's: `tests/model/test_remote_code.py` checks the forward
+past_key_values)` → hidden states, `compute_logits(hidden, output_head)`, and `spec_generate(input_ids, target,
+max_new_tokens, stop_token_ids, temperature)`, z-lab's README call), so code written for the published drafters
+runs on ours. What it computes is flashdraft's: `tests/model/test_remote_code.py` checks the forward
 pass equals `flashdraft.model.drafter.DFlashDrafter` on the same weights.
 
 DFlash2 (`DFlash2DraftModel`, z-lab / Inco AI, 2026) is the same model plus, in every layer, a grouped dynamic

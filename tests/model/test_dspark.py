@@ -152,3 +152,34 @@ def test_the_speculators_format_is_refused_for_dspark_with_the_reason(tmp_path, 
     with pytest.raises(BadInput, match="no DSpark converter"):
         export_speculators(tmp_path / "d", tiny_target, tmp_path / "spec")
     assert not (tmp_path / "spec").exists()
+
+
+@pytest.mark.parametrize("agree", [False, True])
+def test_spec_generate_decodes_as_eval_does(tmp_path, agree):
+    """z-lab's `spec_generate` on an exported DSpark drafter (K drafts a step, each slot after its own position):
+    target-only greedy output, with eval's acceptance at every step — a random drafter's (every draft rejected),
+    and one that agrees with the target (a zero LM head and Markov head: both pick token 0; every draft accepted)."""
+    from transformers import Qwen3ForCausalLM
+
+    from flashdraft.evaluate.decode import SpecDecoder
+    from flashdraft.model.target import Target
+
+    torch.manual_seed(0)
+    target_model, drafter = Qwen3ForCausalLM(TARGET), dspark()
+    if agree:
+        with torch.no_grad():
+            target_model.lm_head.weight.zero_()
+            drafter.markov_head.markov_w2.weight.zero_()
+    target_model.save_pretrained(tmp_path / "target")
+    target = Target(str(tmp_path / "target"), "cpu", print, "float32")
+    save_drafter(drafter, tmp_path / "d", dtype="float32")
+    model = AutoModel.from_pretrained(tmp_path / "d", trust_remote_code=True)
+    prompt = [5, 17, 42, 9, 3, 64, 21, 8]
+    spec = SpecDecoder(target, load_drafter(tmp_path / "d"), stop_ids=set()).generate(prompt, 24)
+    ids, steps = model.spec_generate(target=target.model, input_ids=torch.tensor([prompt]), max_new_tokens=24,
+                                     return_stats=True)
+    target.discard_features()
+    expected = target.model.generate(torch.tensor([prompt]), max_new_tokens=24, do_sample=False)[0].tolist()
+    assert ids[0].tolist() == expected and ids[0, len(prompt) :].tolist() == spec.tokens
+    assert steps == [n + 1 for n in spec.accepted]
+    assert set(steps) == ({K + 1} if agree else {1}), steps

@@ -82,7 +82,7 @@ def test_transformers_4_57_reads_the_trained_theta(tmp_path, tiny_target):
     """The z-lab reference pins transformers 4.57: in a throwaway venv with it (reusing this torch through a
     .pth file), the exported config.json gives the RoPE base, shapes and DFlash fields training used, and the
     shipped modeling file (`trust_remote_code`) computes there what flashdraft's drafter computes here — for a
-    DFlash2 drafter too (its hidden states and its greedy path)."""
+    DFlash2 drafter too (its hidden states and its greedy path) — and its `spec_generate` decodes losslessly."""
     import subprocess
     import sys
     import sysconfig
@@ -147,6 +147,13 @@ with torch.no_grad():
     path, candidates, _ = model2.propose(hidden2[:, 1 - {k}:, :], torch.tensor([5]), head, 0.0)
 torch.save({{"name": type(model2).__name__, "hidden": hidden2, "path": path, "candidates": candidates}},
            {str(tmp_path / 'dflash2.pt')!r})
+# z-lab's README call, as its users make it under the transformers it pins: target-only greedy output
+target = transformers.AutoModelForCausalLM.from_pretrained({tiny_target!r}, torch_dtype=torch.float32).eval()
+prompt = torch.tensor([[5, 17, 42, 99, 3, 64, 21, 8]])
+for drafted in (model, model2):
+    ids = drafted.spec_generate(input_ids=prompt, target=target, max_new_tokens=12, stop_token_ids=[],
+                                temperature=0.0)
+    assert ids.tolist() == target.generate(prompt, max_new_tokens=12, do_sample=False).tolist(), ids
 """
     run = subprocess.run([str(python), "-c", check], capture_output=True, text=True)
     assert run.returncode == 0, run.stderr[-3000:]
