@@ -409,11 +409,16 @@ def _describe(error: ValidationError, node: yaml.Node | None, source: str, flags
     for err in error.errors():
         loc = tuple(err["loc"])
         key = ".".join(str(p) for p in loc)
+        msg = "unknown key" if err["type"] == "extra_forbidden" else err["msg"].removeprefix("Value error, ")
         if key in flags:
             where = f"--{key.rsplit('.', 1)[-1].replace('_', '-')} ({key})"
+        elif err["type"] == "value_error" and len(loc) == 1:  # settings that do not go together, in one section
+            given = [f"--{k.split('.', 1)[1].replace('_', '-')} {v}" for k, v in flags.items()
+                     if k.startswith(f"{key}.")]
+            where = f"{key} settings" + (f" ({', '.join(given)}" + (f", and {source}" if node else "") + ")"
+                                          if given else f" in {source}" if node else "")
         else:
             line = _key_line(node, loc)
             where = f"{source}:{line}: {key}" if line else f"{source}: {key}"
-        msg = "unknown key" if err["type"] == "extra_forbidden" else err["msg"]
         problems.append(f"{where}: {msg}")
     return "invalid config: " + "; ".join(problems)

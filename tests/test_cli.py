@@ -171,3 +171,23 @@ def test_stage_help_shows_each_options_effective_default_and_generate_needs_prom
     assert f"Passes over the data. (default: {defaults.train.epochs})" in shown
     proc = cli("generate", "--out", str(tmp_path / "gen"))  # no silent 404 built-in prompts into a default dir
     assert proc.returncode == 2 and "--prompts is required" in proc.stderr and not (tmp_path / "gen").exists()
+
+
+def test_with_json_a_failure_is_one_json_object_on_stdout_too(cli, tmp_path):
+    """A script reading --json output gets an object on failure as on success: ok false and the error line."""
+    missing = cli("eval", "--drafter", str(tmp_path / "none"), "--out", str(tmp_path / "e"), "--json")
+    assert missing.returncode == 1
+    assert json.loads(missing.stdout) == {"ok": False, "error": f"{tmp_path / 'none'} holds no drafter "
+                                                                "(config.json): run `flashdraft train` first"}
+    assert "error:" in missing.stderr
+    refused = cli("verify", str(tmp_path / "nope"), "--json")
+    assert refused.returncode == 1 and json.loads(refused.stdout)["ok"] is False
+
+
+def test_settings_that_do_not_go_together_are_named_by_their_flags(cli, tmp_path):
+    proc = cli("train", "--data", str(tmp_path), "--out", str(tmp_path / "t"), "--features", "offline",
+               "--architecture", "dspark")
+    assert proc.returncode == 1
+    line = proc.stderr.strip().splitlines()[-1]
+    assert "train settings (--features offline, --architecture dspark): architecture: dspark's L1" in line
+    assert "Value error" not in line and "<defaults>" not in line

@@ -36,8 +36,18 @@ console = PlainConsole()
 err_console = PlainConsole(stderr=True)
 
 
+class JsonOutput:
+    """Whether this command was asked for `--json`, and whether it has printed its JSON object yet: a failure
+    prints `{"ok": false, "error": …}` on stdout too, so a script always reads one object."""
+
+    requested = False
+    emitted = False
+
+
 def fail(message: str, code: int = 1) -> NoReturn:
     err_console.print(Text.assemble(("error:", "red"), " ", redact(message)))
+    if JsonOutput.requested and not JsonOutput.emitted:
+        emit_json({"ok": False, "error": message})
     raise typer.Exit(code)
 
 
@@ -56,6 +66,7 @@ class App(typer.Typer):
         def decorator(fn):
             @functools.wraps(fn)
             def wrapped(*a, **kw):
+                JsonOutput.requested, JsonOutput.emitted = bool(kw.get("json_out")), False
                 try:
                     with stop_signals_unwind():
                         return fn(*a, **kw)
@@ -156,6 +167,7 @@ def human(json_out: bool) -> Console:
 
 
 def emit_json(obj: dict[str, Any]) -> None:
+    JsonOutput.emitted = True
     print(redact(json.dumps(obj, sort_keys=True)))
 
 

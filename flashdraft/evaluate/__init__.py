@@ -168,7 +168,8 @@ def run(
 
         per_prompt = list(decoded or [])
         # one line every FLASHDRAFT_PROGRESS_SECONDS in a log file (a bar on a terminal): turns done, τ so far, ETA
-        with progress(console, "eval: turns decoded, τ so far {task.fields[tau]},", total=turns, tau="–") as advance:
+        with progress(console, "eval: turns decoded, τ so far {task.fields[tau]},", total=turns, unit="turns",
+                      tau="–") as advance:
             for item in (prompts if decoded is None else []):
                 messages, answer = list(item.prompt.messages), ""
                 for turn, follow_up in enumerate((None, *item.follow_ups), start=1):

@@ -156,8 +156,9 @@ def engine_table(engine: dict[str, Any], report: dict[str, Any]) -> list[str]:
     if len(rows) > 1:
         rows.append(("**all**", engine["overall"], report["acceptance_length"]))
     for name, block, ours in rows:
-        tau = f"{block['acceptance_length']:.2f}" if block["acceptance_length"] is not None else "–"
-        positions = " ".join(f"{x:.2f}" for x in block["acceptance_by_position"] if x is not None)
+        tau = f"{block['acceptance_length']:.2f}" if block["acceptance_length"] is not None else "—"
+        # llama.cpp counts no acceptance by position: a dash, not an empty cell
+        positions = " ".join(f"{x:.2f}" for x in block["acceptance_by_position"] if x is not None) or "—"
         lines.append(f"| {name} | {tau} | {ours:.2f} | {positions} | {block['drafts']} |")
     return lines
 

@@ -231,7 +231,7 @@ def _generate_batches(cfg: GenerateConfig, out: Path, batches: list[list[str]], 
                       lease, console, log) -> None:
     backend = make_backend(cfg, log)
     total, tokens, started = sum(len(ids) for ids in todo.values()), 0, time.perf_counter()
-    with progress(console, "generate {task.fields[tps]} tok/s", total=total, tps="–") as update:
+    with progress(console, "generate {task.fields[tps]} tok/s", total=total, unit="prompts", tps="–") as update:
         for k, batch in batch_prompts(cfg, batches, set(todo)):
             missing = set(todo[k])
             prompts = [p for p in batch if p.id in missing]

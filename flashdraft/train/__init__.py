@@ -361,8 +361,8 @@ def loop(cfg: TrainConfig, s: Setup, position: dict, sinks: MetricSinks, shipper
     pending = None  # (epoch, batch index, future of its plans)
     held_at = None  # (step, the held-out evaluation there)
     text = "train loss {task.fields[loss]} τ≈{task.fields[tau]} {task.fields[tps]} tok/s"
-    with progress(console if rank == 0 else None, text, total=s.total_steps, completed=step, loss="–", tau="–",
-                  tps="–") as update:
+    with progress(console if rank == 0 else None, text, total=s.total_steps, completed=step, unit="steps", loss="–",
+                  tau="–", tps="–") as update:
         while step < s.total_steps:
             epoch, first_batch = position["epoch"], position["batch"]
             shuffled = torch.randperm(len(s.train_ids), generator=torch.Generator().manual_seed(cfg.seed + epoch))

@@ -111,7 +111,7 @@ def build_or_reuse(
         if topk:
             columns |= {TEACHER_IDS: (np.int32, topk), TEACHER_LOGPROBS: (np.float16, topk)}
         files = {name: _rows_file(tmp / name, dtype, (sum(lengths), width)) for name, (dtype, width) in columns.items()}
-        with progress(console, "features", total=len(lengths)) as update:
+        with progress(console, "features", total=len(lengths), unit="samples") as update:
             for batch in _length_batches(lengths):
                 _fill(files, batch, starts, lengths, target, dataset, topk)
                 update(advance=len(batch))

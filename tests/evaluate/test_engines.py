@@ -227,3 +227,12 @@ def test_vllms_cpu_build_is_not_asked_to_serve_dspark(cli, tmp_path, smollm2_dir
               "--engine", "vllm", "--max-prompts", "1")
     assert run.returncode == 1 and "Traceback" not in run.stderr
     assert "GPU model runner only" in run.stderr and not (tmp_path / "e").exists()
+
+
+def test_an_engine_without_counts_by_position_shows_a_dash_not_an_empty_cell():
+    from flashdraft.evaluate.report import engine_table
+
+    block = {"acceptance_length": 1.5, "acceptance_by_position": [], "drafts": 12}
+    lines = engine_table({"engine": "llamacpp", "tokens_per_s": 10.0, "by_dataset": {"chat": block}},
+                         {"by_dataset": {"chat": {"acceptance_length": 1.6}}, "acceptance_length": 1.6})
+    assert lines[-1] == "| chat | 1.50 | 1.60 | — | 12 |"

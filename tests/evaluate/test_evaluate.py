@@ -294,7 +294,7 @@ def test_eval_in_a_log_file_says_how_far_it_has_got(cli, tmp_path, tiny_model_di
     assert run_.returncode == 0, run_.stderr[-2000:]
     progress = [line for line in run_.stderr.splitlines() if line.startswith("eval: turns decoded")]
     assert [line.split(", τ so far")[1].split(" ")[2] for line in progress] == ["1/3", "2/3", "3/3"]
-    assert all("ETA" in line for line in progress)
+    assert all("ETA" in line and " turns/s, " in line for line in progress)
 
 
 def test_eval_that_never_reaches_a_verify_step_is_refused_not_reported_as_tau_zero(tmp_path, tiny_model_dir, target,
