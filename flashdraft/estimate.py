@@ -32,6 +32,7 @@ RECORD_OVERHEAD_BYTES = 400  # ids, finish reason, sampling settings of one comp
 # (measured, benchmarks/RESULTS.md), and a typical vLLM/SGLang endpoint serving an 8B-class model on one GPU.
 DEFAULT_TOKENS_PER_S = {"hf": 100.0, "openai": 2000.0, "vllm": 2000.0}
 CHECKPOINT_BYTES_PER_PARAM = 12  # fp32 weights + AdamW's two fp32 moments
+DRAFTER_STATE_BYTES_PER_PARAM = 16  # in training: fp32 weights, gradients and AdamW's two moments
 # The training step `flashdraft train` was measured at on one H200 (issue 47): 1.18 s for 4 sequences, online features,
 # a 1.05B-parameter drafter of a Qwen3-8B-shaped target (36 layers, hidden 4096, MLP 12288, 32 q / 8 kv heads of
 # 128). Other shapes are scaled by training FLOPs per token: the target's forward (2 × its layer parameters) plus
@@ -43,7 +44,12 @@ EVAL_TOKENS_PER_S = 20.0
 
 
 class EstimateError(BadInput):
-    """Something the estimate needs is not available here; the message says what to pass."""
+    """Something the estimate needs is not available here; the message says what to pass to `estimate`
+    (`hint`, kept apart: a dry run's disk check, which has no such flag, says the reason alone)."""
+
+    def __init__(self, reason: str, hint: str = "") -> None:
+        super().__init__(f"{reason}; {hint}" if hint else reason)
+        self.reason = reason
 
 
 @dataclass(frozen=True)
@@ -90,8 +96,8 @@ def target_shape(ref: str, config_file: Path | None = None) -> TargetShape:
         return TargetShape.from_config(AutoConfig.from_pretrained(path, local_files_only=True, **extra), path)
     except (OSError, ValueError) as e:
         raise EstimateError(
-            f"the target's config ({ref}) is not on this machine ({type(e).__name__}); pass "
-            "--target-config PATH/config.json (the model's config.json from the hub)"
+            f"the target's config ({ref}) is not on this machine ({type(e).__name__})",
+            "pass --target-config PATH/config.json (the model's config.json from the hub)"
         ) from None
 
 
@@ -123,7 +129,7 @@ def prompt_lengths(source: str, tokenizer_ref: str, sample: int = 2000) -> tuple
     try:
         count = sum(1 for _ in stream())
     except (OSError, BadInput) as e:
-        raise EstimateError(f"cannot read the prompts ({source}): {e}; pass --num-prompts N") from None
+        raise EstimateError(f"cannot read the prompts ({source}): {e}", "pass --num-prompts N") from None
     if not count:
         raise EstimateError(f"no usable prompts in {source}")
     step = max(1, count // sample)
@@ -142,6 +148,27 @@ def prompt_lengths(source: str, tokenizer_ref: str, sample: int = 2000) -> tuple
         tokens = chars / CHARS_PER_TOKEN + sum(len(p.messages) for p in picked) * TEMPLATE_TOKENS_PER_MESSAGE
         how = f"≈ {CHARS_PER_TOKEN:g} characters per token (tokenizer not on this machine)"
     return count, tokens / len(picked), how
+
+
+def target_params(ref: str, config_file: Path | None, shape: TargetShape) -> tuple[int, str]:
+    """The target's parameter count and how it was found: counted on a copy built on the meta device from its
+    config (no memory, any architecture: MoE experts and Gated-DeltaNet layers included), or, where that config
+    cannot be built here, from its shape (dense decoder layers and the embedding and head)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    try:
+        if config_file is not None:
+            config = AutoConfig.from_pretrained(str(config_file))
+        else:
+            path, extra = _local_ref(ref)
+            config = AutoConfig.from_pretrained(path, local_files_only=True, **extra)
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config)
+        return sum(p.numel() for p in model.parameters()), "counted from its config"
+    except Exception:  # noqa: BLE001 — any config this transformers cannot build: the shape's count instead
+        return (shape.layers * layer_params(shape) + 2 * shape.vocab * shape.hidden,
+                "from its shape: dense decoder layers, embedding and head")
 
 
 def layer_params(shape: TargetShape) -> int:
@@ -224,6 +251,22 @@ def estimate(
     longest_sample = prompt_tokens + g.max_new_tokens
     cut_share = max(0.0, (longest_sample - t.max_length) / g.max_new_tokens)
     hours = steps * step_s / 3600
+    # GPU memory, from the shapes (not measured on a GPU): what a process holds beside activations
+    total_params, counted = target_params(tr.target, target_config, shape)
+    head_params = 2 * shape.vocab * shape.hidden  # embedding and LM head (counted twice when tied: an upper bound)
+    rows = tr.max_anchors * tr.block_size  # block positions one sequence scores
+    scored_vocab = tr.draft_vocab_size or shape.vocab
+    micro = min(tr.micro_batch, tr.batch_size)
+    gpu = {
+        "target_params": total_params,
+        "target_params_from": counted,
+        # bfloat16 on a GPU; with the engine as the feature source the trainer holds the embedding and head only
+        "target_bytes": 2 * (head_params if tr.feature_source == "engine" else total_params),
+        "drafter_state_bytes": params * DRAFTER_STATE_BYTES_PER_PARAM,
+        # bfloat16 logits of a micro-batch and their gradient, and one sequence's float32 copy and its gradient
+        "logits_bytes": micro * rows * scored_vocab * 2 * 2 + rows * scored_vocab * 4 * 2,
+        "micro_batch": micro,
+    }
     fits = None
     if train_hours is not None:
         fit_steps = int(train_hours * 3600 / step_s)
@@ -249,7 +292,8 @@ def estimate(
         "checkpoint_bytes": params * CHECKPOINT_BYTES_PER_PARAM,
         "checkpoints_kept": tr.keep_checkpoints,
         "checkpoints_bytes": params * CHECKPOINT_BYTES_PER_PARAM * tr.keep_checkpoints,
-        "drafter_bytes": params * 4,
+        "drafter_bytes": params * (2 if tr.export_dtype == "bfloat16" else 4),
+        "gpu_memory": gpu,
         "train_processes": procs,
         "train_steps": steps,
         "train_step_s": round(step_s, 3),
@@ -296,7 +340,8 @@ def describe(est: dict[str, Any], cfg: PipelineConfig) -> list[str]:
         + ")",
         f"disk, checkpoints: {b(est['checkpoints_bytes'])} ({est['checkpoints_kept']} kept × "
         f"{b(est['checkpoint_bytes'])}: {est['drafter_params'] / 1e6:,.1f}M drafter params with AdamW state)",
-        f"disk, exported drafter: {b(est['drafter_bytes'])}",
+        f"disk, exported drafter: {b(est['drafter_bytes'])} ({cfg.train.export_dtype})",
+        *gpu_lines(est, cfg),
         f"train: {est['train_steps']:,} optimizer steps of {est['train_processes']} process(es) × batch "
         f"{cfg.train.batch_size} ("
         + (f"max_steps, ≈ {est['train_steps'] * cfg.train.batch_size * est['train_processes'] / est['prompts']:,.2f} "
@@ -314,6 +359,23 @@ def describe(est: dict[str, Any], cfg: PipelineConfig) -> list[str]:
         f"speculative and target-only, at ~{EVAL_TOKENS_PER_S:.0f} tokens/s: eval's HF decoding measured on an H200)",
         f"target: {est['target']['layers']} layers, hidden {est['target']['hidden']:,}, vocab "
         f"{est['target']['vocab']:,} (from {est['target']['from']}); features from layers {est['target_layer_ids']}",
+    ]
+
+
+def gpu_lines(est: dict[str, Any], cfg: PipelineConfig) -> list[str]:
+    """GPU memory a training process needs beside activations, per part and per placement."""
+    b, g, tr = human_bytes, est["gpu_memory"], cfg.train
+    drafter = g["drafter_state_bytes"] + g["logits_bytes"]
+    target = ("its embedding and LM head only (the engine holds the layers)" if tr.feature_source == "engine" else
+              f"{g['target_params'] / 1e9:,.1f}B parameters, {g['target_params_from']}")
+    return [
+        f"GPU memory, target: {b(g['target_bytes'])} of bfloat16 weights a process ({target}); "
+        + ("spread over the GPUs target_device lists" if tr.target_device and "," in tr.target_device else
+           "one GPU holds it unless target_device lists several"),
+        f"GPU memory, drafter: ≈ {b(drafter)} — {b(g['drafter_state_bytes'])} of weights, gradients and AdamW state, "
+        f"{b(g['logits_bytes'])} of block logits at micro_batch {g['micro_batch']} (max_anchors × block_size × "
+        f"{tr.draft_vocab_size or est['target']['vocab']:,} vocabulary; micro_batch 1 or draft_vocab_size cuts it), "
+        "plus activations; estimated from the shapes, not measured on a GPU",
     ]
 
 

@@ -413,12 +413,14 @@ def _drafter(path: str) -> str:
 def _disk_for(cfg: PipelineConfig, stages: list[str]) -> Check:
     """Free disk against the estimate's sizes of what the selected stages write; an estimate that cannot be
     made here (the target's config elsewhere) is said, not failed."""
-    from flashdraft.estimate import estimate
+    from flashdraft.estimate import EstimateError, estimate
 
     try:
         est = estimate(cfg)
-    except ExpectedFailure as e:
-        return Check(f"disk at {cfg.workdir}", True, f"not estimated here ({e})", skipped=True)
+    except ExpectedFailure as e:  # `estimate`'s own flags (--num-prompts …) are not this command's: its reason only
+        reason = e.reason if isinstance(e, EstimateError) else str(e)
+        return Check(f"disk at {cfg.workdir}", True, f"not estimated here ({reason}; `flashdraft estimate` with "
+                     "--num-prompts / --target-config sizes it)", skipped=True)
     train = est["checkpoints_bytes"] + est["drafter_bytes"] + (
         est["offline_features_bytes"] if cfg.train.features == "offline" else 0)
     sizes = {"generate": est["completions_bytes"], "tokenize": est["dataset_bytes"], "train": train}

@@ -51,6 +51,15 @@ def test_estimate_of_a_local_config_matches_the_real_drafter(cli, tmp_path, tiny
     hidden, layers = 32, len(est["target_layer_ids"])
     assert est["offline_features_bytes"] == est["dataset_tokens"] * layers * hidden * 2
     assert est["train_steps"] == 3 * 3  # 12 samples / batch 4, 3 epochs
+    # the export is bfloat16: 2 bytes a parameter; GPU memory counts the real target's parameters
+    from transformers import AutoModelForCausalLM
+
+    assert est["drafter_bytes"] == 2 * est["drafter_params"]
+    gpu = est["gpu_memory"]
+    whole = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    assert gpu["target_params"] == sum(p.numel() for p in whole.parameters())
+    assert gpu["target_params_from"] == "counted from its config" and gpu["target_bytes"] == 2 * gpu["target_params"]
+    assert gpu["drafter_state_bytes"] == 16 * est["drafter_params"]
 
 
 def test_estimate_counts_a_dflash2_drafter_as_built(tiny_model_dir):

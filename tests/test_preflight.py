@@ -111,6 +111,9 @@ def test_every_shipped_example_config_plans(tmp_path, example):
     assert all(line.startswith(("ok ", "FAIL ", "skip ")) for line in lines)
     # what could not be checked here is said as such (issue 56), never as "ok"
     assert not [line for line in lines if line.startswith("ok ") and "not estimated here" in line]
+    # and it names no flag this command lacks: `run` has no --num-prompts, `estimate` has
+    unsized = [line for line in lines if "not estimated here" in line]
+    assert all("pass --num-prompts" not in line and "`flashdraft estimate`" in line for line in unsized), unsized
 
 
 def test_run_from_train_checks_its_dataset_before_anything(cli, tmp_path, s3env):

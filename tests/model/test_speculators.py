@@ -1,9 +1,9 @@
 """`flashdraft export --format speculators`: vLLM's speculators package reads the result as trained."""
 
 import json
+import os
 import subprocess
 import sys
-import sysconfig
 from pathlib import Path
 
 import pytest
@@ -80,17 +80,11 @@ def dflash2_drafter(target: str) -> DFlash2Drafter:
 @pytest.fixture(scope="module")
 def speculators_python(tmp_path_factory) -> str:
     """A throwaway venv with speculators 0.9 and the transformers it pins (this torch and flashdraft reused
-    through a .pth): its python."""
+    through a .pth), made by the script docs/serving.md gives users: its python."""
     venv = tmp_path_factory.mktemp("spec") / "venv"
-    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+    subprocess.run([str(REPO / "scripts" / "speculators_venv.sh"), str(venv)], check=True,
+                   env=dict(os.environ, FLASHDRAFT_PYTHON=sys.executable))
     python = str(venv / "bin" / "python")
-    pip = [python, "-m", "pip", "install", "--quiet", "--disable-pip-version-check"]
-    subprocess.run([*pip, "transformers==5.19.0", "loguru", "pydantic-settings"], check=True)
-    # --no-deps: its torchvision/torchaudio requirements would pull a multi-GB CUDA torch; it needs neither.
-    subprocess.run([*pip, "--no-deps", "speculators==0.9.0", "hs-connectors==0.9.0"], check=True)
-    site = subprocess.run([python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
-                          check=True, capture_output=True, text=True).stdout.strip()
-    (Path(site) / "reuse.pth").write_text(f"{REPO}\n{sysconfig.get_paths()['purelib']}\n")  # after its own
     return python
 
 
