@@ -312,6 +312,9 @@ class EvalConfig(Section):
     engine_url: str | None = None  # an engine server already running, instead of one flashdraft starts (one engine)
     engine_python: str | None = None  # vLLM's virtualenv Python (default: scripts/engines.sh's)
     engine_baseline: bool = True  # also start each engine without the drafter, for its tokens/s without speculation
+    # engine only: measure τ and tokens/s in the engines alone (minutes on a served engine), without eval's own
+    # in-process decoding (hours at 2,048 tokens a turn on a 27B); nothing is checked lossless then
+    engine_only: bool = False
     # DSpark: stop each block sent for verification where its confidence head says to (None: the whole block).
     # "first": at the first slot whose confidence is below the threshold (DeepSpec, llama.cpp --spec-draft-p-min);
     # "product": where the running product of the confidences falls below it (vLLM, SGLang). eval then also
@@ -330,6 +333,8 @@ class EvalConfig(Section):
 
     @model_validator(mode="after")
     def one_engine_at_a_url(self) -> EvalConfig:
+        if self.engine_only and not self.engines:
+            raise ValueError("eval.engine_only measures in the engines alone: name one (eval.engine vllm or llamacpp)")
         if self.engine_url is not None and len(self.engines) != 1:
             raise ValueError("eval.engine_url is one server: name the one engine it runs (eval.engine)")
         if self.engines and self.confidence_threshold is not None:

@@ -150,6 +150,23 @@ def test_eval_measures_the_engine_it_started_and_reads_its_empty_health_answer(c
     assert (out / "engine-vllm.log").is_file()
 
 
+def test_engine_only_measures_in_the_engine_alone_and_reports_no_tau_of_its_own(cli, tmp_path, eval_setup,
+                                                                                tiny_model_dir):
+    out = tmp_path / "eval"
+    args = [*eval_args(tmp_path, eval_setup, tiny_model_dir, out), "--engine-only", "--json"]
+    done = cli(*args, env=standin_env("honest"))
+    assert done.returncode == 0, done.stderr
+    stats = json.loads(done.stdout)
+    assert stats["engine_only"] is True and stats["engines"]["vllm"]["overall"]["acceptance_length"] == 2.0
+    assert "acceptance_length" not in stats and "eval: turns decoded" not in done.stderr  # nothing decoded here
+    assert "engine only" in (out / "report.md").read_text() and "| — |" in (out / "report.md").read_text()
+    assert "engine only, 2 prompts: vllm τ 2.00" in done.stderr.strip().splitlines()[-1]
+    again = cli(*args, env=standin_env("honest"))
+    assert again.returncode == 0 and "already done, verified" in again.stderr
+    refused = cli("eval", "--drafter", str(eval_setup[0]), "--out", str(tmp_path / "x"), "--engine-only")
+    assert refused.returncode == 1 and "engine_only measures in the engines alone" in refused.stderr
+
+
 def test_a_neighbour_answering_where_the_engine_should_is_refused_and_eval_is_kept(cli, tmp_path, eval_setup,
                                                                                  tiny_model_dir):
     out = tmp_path / "eval"
@@ -159,7 +176,7 @@ def test_a_neighbour_answering_where_the_engine_should_is_refused_and_eval_is_ke
     assert "is not the engine flashdraft started" in last and "committed" in last
     report = json.loads((out / "report.json").read_text())
     assert report["engines"]["vllm"]["failed"] and "overall" not in report["engines"]["vllm"]
-    assert report["acceptance_length"] > 0 and not done.stdout  # eval's own τ kept; no success object printed
+    assert report["acceptance_length"] > 0 and json.loads(done.stdout)["ok"] is False  # eval's own τ kept; a failure
     subprocess.run(["pkill", "-f", f"{STANDIN} --uds"], check=False)  # the neighbour: not flashdraft's to stop
 
 

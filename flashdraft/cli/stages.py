@@ -203,6 +203,10 @@ def evaluate(
              "τ beside eval's (scripts/engines.sh installs them).")] = None,
     engine_url: Annotated[str | None, typer.Option(
         help="An engine already serving the target with this drafter (its base URL): measured there instead.")] = None,
+    engine_only: Annotated[bool | None, typer.Option(
+        "--engine-only", help="Measure τ and tokens/s in the engine(s) alone, without eval's own in-process "
+                              "decoding (minutes on a served engine instead of hours); nothing is checked "
+                              "lossless.")] = None,
     confidence_threshold: Annotated[float | None, typer.Option(
         help="DSpark: cut each block where its confidence head falls below this (0 < t < 1); eval then reports the "
              "blocks cut and uncut, and the head's calibration.")] = None,
@@ -225,6 +229,7 @@ def evaluate(
         "eval.decoding": decoding,
         "eval.engine": (engine[0] if len(engine) == 1 else list(engine)) if engine else None,
         "eval.engine_url": engine_url,
+        "eval.engine_only": engine_only,
         "eval.confidence_threshold": confidence_threshold,
         "eval.confidence_rule": confidence_rule,
     }

@@ -28,6 +28,7 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -66,41 +67,18 @@ def run(
     console=None,
     log: Callable[[str], None] = print,
 ) -> dict[str, Any]:
-    from transformers import AutoTokenizer
-
-    from flashdraft.model.resolve import resolve_model, stop_token_ids
+    """Load the sets → check the engines → decode each prompt (eval's own speculative decoding, unless
+    `engine_only`) → measure in each engine → report, committed and verified. A committed report is reused
+    (already done); one whose engine failed has only that engine measured again."""
+    from flashdraft.model.resolve import resolve_model
 
     drafter_dir, out = Path(drafter_dir), Path(out)
     if not (drafter_dir / "config.json").is_file():
         raise BadInput(f"{drafter_dir} holds no drafter (config.json): run `flashdraft train` first")
-    sets = load_eval_sets(cfg.sources, cfg.max_prompts)
-    prompts = [prompt for each in sets for prompt in each.prompts]
-    rejected = [{**r.to_json(), "set": each.name} for each in sets for r in each.rejected]
-    for each in sets:
-        if not each.prompts:
-            raise BadInput(f"no usable prompts in {each.name}"
-                           + (f" ({len(each.rejected)} rejected: {each.rejected[0].reason})" if each.rejected else "")
-                           + ": nothing to measure τ on")
-    if cfg.engines:  # before any decoding: each engine can be had
-        from flashdraft.evaluate.engines import check_engine
-
-        if cfg.temperature > 0:
-            raise BadInput("eval.engine measures greedy acceptance: set eval.temperature 0")
-        from flashdraft.model.gguf_export import served_spec_type
-
-        if served_spec_type(json.loads((drafter_dir / "config.json").read_text()), drafter_dir) == "draft-dspark" \
-                and "vllm" in cfg.engines and cfg.engine_url is None and not torch.cuda.is_available():
-            # vLLM 0.32 drafts DSpark on its V2 GPU model runner only; its CPU build's V1 runner refuses it at start
-            raise BadInput("vLLM serves DSpark drafters on its GPU model runner only (its CPU build says \"Model "
-                           "Runner V1 does not support: dspark speculative decoding\"): measure with --engine llamacpp "
-                           "here, or with vLLM on a GPU host (--engine-url)")
-        for engine in cfg.engines:
-            log(f"eval: engine {check_engine(engine, cfg.engine_url, cfg.engine_python)}")
+    prompts, rejected, sets = load_prompts(cfg)
+    check_engines(cfg, drafter_dir, log)
     target_path = resolve_model(target_ref or cfg.target, log=log)
-    # how an engine is reached is not what is measured; without one the lineage is what it was before engines
-    engine_keys = {"engine", "engine_url", "engine_python", "engine_baseline"}
-    measured = cfg.model_dump(exclude=engine_keys if not cfg.engines else {"engine_url", "engine_python"})
-    lineage = Lineage(inputs=[identity(drafter_dir)], config=sha256_json({"eval": measured, "target": target_path}))
+    lineage = eval_lineage(cfg, drafter_dir, target_path)
     # Locked for the run; refused unless it is an eval report (or empty) outside the drafter and the target.
     with hold_output(out, "eval", inputs=[drafter_dir, target_path]):
         decision = check_done(out, lineage)
@@ -120,137 +98,274 @@ def run(
         else:
             log(f"eval: {drafter_dir} has no manifest (a drafter from elsewhere): its files are not verified")
 
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-        target = Target(target_path, device, log, cfg.target_dtype)
-        drafter = load_drafter(drafter_dir, device=device, dtype=target.model.dtype)
-        if drafter.config.num_target_layers != target.config.num_hidden_layers:
-            raise BadInput(
-                f"the drafter was trained for a {drafter.config.num_target_layers}-layer target; "
-                f"{target_path} has {target.config.num_hidden_layers} layers"
-            )
-        check_confidence(cfg, drafter, drafter_dir)
-        tokenizer = AutoTokenizer.from_pretrained(target_path)
-        stop_ids = stop_token_ids(tokenizer, target.model.generation_config.eos_token_id)
-        decoder, machinery = choose_decoder(cfg, target, drafter, stop_ids, log)
-        # DSpark with a confidence threshold: the same drafter is also decoded with its blocks uncut, to compare
-        uncut = SpecDecoder(target, drafter, stop_ids) if cfg.confidence_threshold is not None else None
-
-        # transformers < 5.25 marks hybrid linear-attention models stateful and its assisted generation refuses
-        # them; 5.25 rolls their state back itself and runs prompt lookup on them.
-        stateful = getattr(target.model, "_is_stateful", False)
-        if stateful:
-            log("eval: the prompt-lookup baseline is skipped: this transformers' assisted generation refuses stateful "
-                "(hybrid linear-attention) models (5.25 and later run it)")
-        generator = torch.Generator(device=device).manual_seed(cfg.seed)
-        turns = sum(1 + len(p.follow_ups) for p in prompts)
-        log(f"eval: {len(prompts)} prompts ({turns} turns) from {len(sets)} set(s), {cfg.max_new_tokens} new tokens "
-            f"a turn, temperature {cfg.temperature}, thinking {'on' if cfg.thinking else 'off'}; decoding: {machinery}")
-
-        def render(messages: list[dict]) -> list[int]:
-            rendered = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
-                                                     return_dict=True, enable_thinking=cfg.thinking)
-            return list(rendered["input_ids"])
-
-        if isinstance(decoder, StaticSpecDecoder):
-            # Buffers for the whole run, reserved once: new buffers mid-run would mean new graphs, captured while
-            # a prompt is timed. A later turn holds the earlier ones and their answers (+ room for its own text).
-            longest = max(len(render(p.prompt.messages)) for p in prompts)
-            turns_most = max(1 + len(p.follow_ups) for p in prompts)
-            context = getattr(target.config, "max_position_embeddings", None)
-            if isinstance(context, int) and longest + cfg.max_new_tokens > context:  # before any buffer is asked for
-                raise BadInput(f"eval.max_new_tokens {cfg.max_new_tokens:,} after a {longest:,}-token prompt is past "
-                               f"the target's context ({context:,} positions): the static cache cannot hold it; use "
-                               f"at most {max(1, context - longest):,}")
-            decoder.reserve(longest + turns_most * (cfg.max_new_tokens + 512) + 2 * drafter.block_size)
-            if decoder.compiled:
-                decoder, machinery = warm_up(decoder, render(prompts[0].prompt.messages), target, drafter, stop_ids,
-                                             log)
-
-        per_prompt = list(decoded or [])
-        # one line every FLASHDRAFT_PROGRESS_SECONDS in a log file (a bar on a terminal): turns done, τ so far, ETA
-        with progress(console, "eval: turns decoded, τ so far {task.fields[tau]},", total=turns, unit="turns",
-                      tau="–") as advance:
-            for item in (prompts if decoded is None else []):
-                messages, answer = list(item.prompt.messages), ""
-                for turn, follow_up in enumerate((None, *item.follow_ups), start=1):
-                    if follow_up is not None:  # asked after the target's own answer to the turn before
-                        messages += [{"role": "assistant", "content": answer},
-                                     {"role": "user", "content": follow_up}]
-                    ids = render(messages)
-                    # Interleaved per prompt, so drift in machine load hits every method alike.
-                    spec = decoder.generate(ids, cfg.max_new_tokens, cfg.temperature, generator)
-                    whole = (uncut.generate(ids, cfg.max_new_tokens, cfg.temperature, generator)
-                             if uncut is not None else None)
-                    if isinstance(decoder, StaticSpecDecoder):
-                        base, base_s = decoder.target_only(ids, cfg.max_new_tokens)
-                    else:
-                        base, base_s, _ = target_only(target, ids, cfg.max_new_tokens)
-                    pld, pld_s, pld_calls = ([], None, None) if stateful else target_only(
-                        target, ids, cfg.max_new_tokens, lookup=cfg.prompt_lookup_tokens)
-                    diverged = (divergence(target, ids, base, spec.tokens, cfg.near_tie_ulps)
-                                if cfg.temperature <= 0 else None)
-                    answer = tokenizer.decode(spec.tokens, skip_special_tokens=True)
-                    per_prompt.append({
-                        "id": item.prompt.id, "dataset": item.dataset, "turn": turn, "prompt_tokens": len(ids),
-                        "category": item.prompt.category or "all", "tokens": len(spec.tokens),
-                        "accepted": spec.accepted, "spec_seconds": spec.seconds, "target_seconds": base_s,
-                        "target_tokens": len(base), "lookup_seconds": pld_s, "lookup_tokens": len(pld),
-                        "lookup_forwards": pld_calls,
-                        # a baseline is only worth its speedup if it is lossless too: greedy lookup must emit
-                        # target-only's tokens (up to the first stop token, where the baseline stops)
-                        "lookup_lossless": (until_stop(pld, stop_ids) == until_stop(base, stop_ids)
-                                            if pld_s is not None and cfg.temperature <= 0 else None),
-                        "lossless": (diverged is None or diverged["near_tie"]) if cfg.temperature <= 0 else None,
-                        "divergence": diverged,
-                        **({"proposed": spec.proposed, "confidence": spec.confidence}
-                           if is_dspark(drafter) else {}),
-                        **({"accepted_uncut": whole.accepted, "proposed_uncut": whole.proposed,
-                            "confidence_uncut": whole.confidence} if whole is not None else {}),
-                    })
-                    advance(1, tau=f"{acceptance_length([n for row in per_prompt for n in row['accepted']]):.2f}")
-
-        if not any(row["accepted"] for row in per_prompt):  # τ would be 0/0: not a measurement, not a success
-            raise BadInput(f"eval: no turn reached a verify step (each of the {len(per_prompt)} ended at its first "
-                           "token), so τ was not measured and nothing was written; give prompts the target answers "
-                           "at more length")
-        # positions a step can accept: K − 1 drafts (DFlash, DFlash2), K (DSpark, whose anchor slot drafts too)
-        report = summarize(per_prompt, drafter.block_size + int(is_dspark(drafter)), cfg)
-        if is_dspark(drafter):
-            report["dspark"] = dspark_summary(per_prompt, drafter.block_size, cfg)
-        # the type greedy output was compared in, and the machinery both decodings ran on
-        report["target_dtype"] = str(target.model.dtype).removeprefix("torch.")
-        report["decoding"] = machinery
-        report["rejected"] = len(rejected)
-        table = markdown_report(report)
-        stats = {key: report[key] for key in ("acceptance_length", "lossless", "speedup", "speedup_per_prompt",
-                                              "lookup_acceptance_length", "lookup_speedup", "lookup_lossless",
-                                              "prompts", "tokens_per_s", "target_dtype", "near_ties", "decoding",
-                                              "rejected")}
-        stats["by_dataset"] = {name: {key: block[key] for key in ("acceptance_length", "speedup", "lossless",
-                                                                   "prompts")}
-                               for name, block in report["by_dataset"].items()}
+        if cfg.engine_only:
+            decoding, per_prompt = served_only(cfg, drafter_dir, target_path, log), []
+            report, stats = engine_only_report(cfg, prompts, decoding)
+        else:
+            decoding = prepare_decoding(cfg, drafter_dir, target_path, prompts, sets, log)
+            per_prompt = decode_prompts(cfg, decoding, prompts, decoded, console)
+            report, stats = eval_report(cfg, decoding, per_prompt, rejected)
         with commit_dir(out, "eval", stats=stats, lineage=lineage) as building:  # its own files, renamed in whole
             if cfg.engines:  # the engines' logs are part of the report: what each said while it served
-                passes = sum(len(p["accepted"]) for p in per_prompt)  # eval's verify passes: what could draft
-                report["engines"] = {}
-                for engine in cfg.engines:
-                    try:
-                        report["engines"][engine] = engine_report(cfg, engine, prompts, render, target_path,
-                                                                  drafter_dir, drafter.block_size, report, passes,
-                                                                  building, out, log, is_dspark(drafter))
-                    except ExpectedFailure as e:  # eval's own measurement is kept, committed beside the failure
-                        log(f"eval: {engine} failed: {e}")
-                        report["engines"][engine] = {"engine": engine, "failed": str(e)}
-                stats["engines"] = {engine: {k: v for k, v in served.items() if k != "by_dataset"}
-                                    for engine, served in report["engines"].items()}
-                table = markdown_report(report)
+                measure_engines(cfg, decoding, prompts, report, stats, per_prompt, drafter_dir, target_path,
+                                building, out, log)
+            table = markdown_report(report)
             atomic_write_text(building / "report.json", json.dumps({**report, "prompts": per_prompt}, indent=1))
             atomic_write_text(building / "report.md", table)
             if rejected:
                 atomic_write_text(building / "rejected.jsonl", "".join(json.dumps(r) + "\n" for r in rejected))
-            plot(report, building)
+            if not cfg.engine_only:
+                plot(report, building)
     for line in table.rstrip("\n").split("\n"):
         log(line)
+    say_done(cfg, out, report, stats, per_prompt, rejected, log)
+    return stats
+
+
+# ---------------------------------------------------------------------------------------------- the steps
+
+
+def load_prompts(cfg: EvalConfig) -> tuple[list, list[dict], list]:
+    """Every set's prompts, the records none could be made of (with their set), and the sets; a set with no usable
+    prompt is refused (nothing to measure τ on)."""
+    sets = load_eval_sets(cfg.sources, cfg.max_prompts)
+    for each in sets:
+        if not each.prompts:
+            raise BadInput(f"no usable prompts in {each.name}"
+                           + (f" ({len(each.rejected)} rejected: {each.rejected[0].reason})" if each.rejected else "")
+                           + ": nothing to measure τ on")
+    prompts = [prompt for each in sets for prompt in each.prompts]
+    rejected = [{**r.to_json(), "set": each.name} for each in sets for r in each.rejected]
+    return prompts, rejected, sets
+
+
+def check_engines(cfg: EvalConfig, drafter_dir: Path, log: Callable[[str], None]) -> None:
+    """Before any decoding: each engine can be had, and can serve this drafter here."""
+    if not cfg.engines:
+        return
+    from flashdraft.evaluate.engines import check_engine
+    from flashdraft.model.gguf_export import served_spec_type
+
+    if cfg.temperature > 0:
+        raise BadInput("eval.engine measures greedy acceptance: set eval.temperature 0")
+    if served_spec_type(json.loads((drafter_dir / "config.json").read_text()), drafter_dir) == "draft-dspark" \
+            and "vllm" in cfg.engines and cfg.engine_url is None and not torch.cuda.is_available():
+        # vLLM 0.32 drafts DSpark on its V2 GPU model runner only; its CPU build's V1 runner refuses it at start
+        raise BadInput("vLLM serves DSpark drafters on its GPU model runner only (its CPU build says \"Model "
+                       "Runner V1 does not support: dspark speculative decoding\"): measure with --engine llamacpp "
+                       "here, or with vLLM on a GPU host (--engine-url)")
+    for engine in cfg.engines:
+        log(f"eval: engine {check_engine(engine, cfg.engine_url, cfg.engine_python)}")
+
+
+def eval_lineage(cfg: EvalConfig, drafter_dir: Path, target_path: str) -> Lineage:
+    """What a report measured: the drafter's content and the settings (how an engine is reached is not what is
+    measured; without one, or measured by eval alone, the lineage is what it was before engines)."""
+    engine_keys = {"engine", "engine_url", "engine_python", "engine_baseline", "engine_only"}
+    measured = cfg.model_dump(exclude=engine_keys if not cfg.engines else {"engine_url", "engine_python"}
+                              | ({"engine_only"} if not cfg.engine_only else set()))
+    return Lineage(inputs=[identity(drafter_dir)], config=sha256_json({"eval": measured, "target": target_path}))
+
+
+@dataclass
+class Decoding:
+    """What decoding needs, set up once: the target and drafter, the prompts' rendering, the decoder chosen and the
+    words the report says it with (with `engine_only`, the rendering and the drafter's block only)."""
+
+    render: Callable[[list[dict]], list[int]]
+    block_size: int
+    dspark: bool
+    target: Target | None = None
+    drafter: Any = None
+    tokenizer: Any = None
+    stop_ids: set[int] = field(default_factory=set)
+    decoder: Any = None
+    machinery: str = ""
+    uncut: SpecDecoder | None = None  # DSpark with a confidence threshold: the same drafter, its blocks uncut
+    stateful: bool = False  # transformers < 5.25 refuses prompt lookup on hybrid targets
+    generator: Any = None
+
+
+def renderer(tokenizer, thinking: bool) -> Callable[[list[dict]], list[int]]:
+    def render(messages: list[dict]) -> list[int]:
+        rendered = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                                 return_dict=True, enable_thinking=thinking)
+        return list(rendered["input_ids"])
+
+    return render
+
+
+def prepare_decoding(cfg: EvalConfig, drafter_dir: Path, target_path: str, prompts: list, sets: list,
+                     log: Callable[[str], None]) -> Decoding:
+    """The target and drafter on this machine's device, checked against each other, and the decoder for them."""
+    from transformers import AutoTokenizer
+
+    from flashdraft.model.resolve import stop_token_ids
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    target = Target(target_path, device, log, cfg.target_dtype)
+    drafter = load_drafter(drafter_dir, device=device, dtype=target.model.dtype)
+    if drafter.config.num_target_layers != target.config.num_hidden_layers:
+        raise BadInput(
+            f"the drafter was trained for a {drafter.config.num_target_layers}-layer target; "
+            f"{target_path} has {target.config.num_hidden_layers} layers"
+        )
+    check_confidence(cfg, drafter, drafter_dir)
+    tokenizer = AutoTokenizer.from_pretrained(target_path)
+    stop_ids = stop_token_ids(tokenizer, target.model.generation_config.eos_token_id)
+    decoder, machinery = choose_decoder(cfg, target, drafter, stop_ids, log)
+    uncut = SpecDecoder(target, drafter, stop_ids) if cfg.confidence_threshold is not None else None
+    # transformers < 5.25 marks hybrid linear-attention models stateful and its assisted generation refuses
+    # them; 5.25 rolls their state back itself and runs prompt lookup on them.
+    stateful = getattr(target.model, "_is_stateful", False)
+    if stateful:
+        log("eval: the prompt-lookup baseline is skipped: this transformers' assisted generation refuses stateful "
+            "(hybrid linear-attention) models (5.25 and later run it)")
+    turns = sum(1 + len(p.follow_ups) for p in prompts)
+    log(f"eval: {len(prompts)} prompts ({turns} turns) from {len(sets)} set(s), {cfg.max_new_tokens} new tokens "
+        f"a turn, temperature {cfg.temperature}, thinking {'on' if cfg.thinking else 'off'}; decoding: {machinery}")
+    render = renderer(tokenizer, cfg.thinking)
+    if isinstance(decoder, StaticSpecDecoder):
+        # Buffers for the whole run, reserved once: new buffers mid-run would mean new graphs, captured while
+        # a prompt is timed. A later turn holds the earlier ones and their answers (+ room for its own text).
+        longest = max(len(render(p.prompt.messages)) for p in prompts)
+        turns_most = max(1 + len(p.follow_ups) for p in prompts)
+        context = getattr(target.config, "max_position_embeddings", None)
+        if isinstance(context, int) and longest + cfg.max_new_tokens > context:  # before any buffer is asked for
+            raise BadInput(f"eval.max_new_tokens {cfg.max_new_tokens:,} after a {longest:,}-token prompt is past "
+                           f"the target's context ({context:,} positions): the static cache cannot hold it; use "
+                           f"at most {max(1, context - longest):,}")
+        decoder.reserve(longest + turns_most * (cfg.max_new_tokens + 512) + 2 * drafter.block_size)
+        if decoder.compiled:
+            decoder, machinery = warm_up(decoder, render(prompts[0].prompt.messages), target, drafter, stop_ids, log)
+    return Decoding(render=render, block_size=drafter.block_size, dspark=is_dspark(drafter), target=target,
+                    drafter=drafter, tokenizer=tokenizer, stop_ids=stop_ids, decoder=decoder, machinery=machinery,
+                    uncut=uncut, stateful=stateful,
+                    generator=torch.Generator(device=device).manual_seed(cfg.seed))
+
+
+def served_only(cfg: EvalConfig, drafter_dir: Path, target_path: str, log: Callable[[str], None]) -> Decoding:
+    """`engine_only`: no target or drafter here — the target's chat template renders the prompts, and the drafter's
+    config gives its block."""
+    from transformers import AutoTokenizer
+
+    from flashdraft.model.gguf_export import served_spec_type
+
+    config = json.loads((drafter_dir / "config.json").read_text())
+    block_size = (config.get("dflash_config") or {}).get("block_size") or config.get("block_size")
+    if not isinstance(block_size, int) or block_size < 2:
+        raise BadInput(f"{drafter_dir}/config.json gives no block size (block_size, dflash_config.block_size)")
+    log(f"eval: engine only — {', '.join(cfg.engines)} on the prompts; eval's own decoding is not run")
+    return Decoding(render=renderer(AutoTokenizer.from_pretrained(target_path), cfg.thinking), block_size=block_size,
+                    dspark=served_spec_type(config, drafter_dir) == "draft-dspark")
+
+
+def decode_prompts(cfg: EvalConfig, d: Decoding, prompts: list, decoded: list | None, console) -> list[dict]:
+    """Every prompt's turns, speculative and target-only (and prompt lookup), interleaved per prompt so that drift
+    in machine load hits every method alike; `decoded`: the rows a committed report already holds."""
+    per_prompt = list(decoded or [])
+    turns = sum(1 + len(p.follow_ups) for p in prompts)
+    # one line every FLASHDRAFT_PROGRESS_SECONDS in a log file (a bar on a terminal): turns done, τ so far, ETA
+    with progress(console, "eval: turns decoded, τ so far {task.fields[tau]},", total=turns, unit="turns",
+                  tau="–") as advance:
+        for item in (prompts if decoded is None else []):
+            messages, answer = list(item.prompt.messages), ""
+            for turn, follow_up in enumerate((None, *item.follow_ups), start=1):
+                if follow_up is not None:  # asked after the target's own answer to the turn before
+                    messages += [{"role": "assistant", "content": answer}, {"role": "user", "content": follow_up}]
+                ids = d.render(messages)
+                row = decode_turn(cfg, d, ids)
+                answer = d.tokenizer.decode(row.pop("token_ids"), skip_special_tokens=True)
+                per_prompt.append({"id": item.prompt.id, "dataset": item.dataset, "turn": turn,
+                                   "prompt_tokens": len(ids), "category": item.prompt.category or "all", **row})
+                advance(1, tau=f"{acceptance_length([n for row in per_prompt for n in row['accepted']]):.2f}")
+    if not any(row["accepted"] for row in per_prompt):  # τ would be 0/0: not a measurement, not a success
+        raise BadInput(f"eval: no turn reached a verify step (each of the {len(per_prompt)} ended at its first "
+                       "token), so τ was not measured and nothing was written; give prompts the target answers "
+                       "at more length")
+    return per_prompt
+
+
+def decode_turn(cfg: EvalConfig, d: Decoding, ids: list[int]) -> dict[str, Any]:
+    """One turn: speculative decoding, target-only (timed alike), prompt lookup, and the lossless verdict."""
+    spec = d.decoder.generate(ids, cfg.max_new_tokens, cfg.temperature, d.generator)
+    whole = d.uncut.generate(ids, cfg.max_new_tokens, cfg.temperature, d.generator) if d.uncut is not None else None
+    if isinstance(d.decoder, StaticSpecDecoder):
+        base, base_s = d.decoder.target_only(ids, cfg.max_new_tokens)
+    else:
+        base, base_s, _ = target_only(d.target, ids, cfg.max_new_tokens)
+    pld, pld_s, pld_calls = ([], None, None) if d.stateful else target_only(
+        d.target, ids, cfg.max_new_tokens, lookup=cfg.prompt_lookup_tokens)
+    diverged = divergence(d.target, ids, base, spec.tokens, cfg.near_tie_ulps) if cfg.temperature <= 0 else None
+    return {
+        "token_ids": spec.tokens, "tokens": len(spec.tokens), "accepted": spec.accepted,
+        "spec_seconds": spec.seconds, "target_seconds": base_s, "target_tokens": len(base), "lookup_seconds": pld_s,
+        "lookup_tokens": len(pld), "lookup_forwards": pld_calls,
+        # a baseline is only worth its speedup if it is lossless too: greedy lookup must emit target-only's
+        # tokens (up to the first stop token, where the baseline stops)
+        "lookup_lossless": (until_stop(pld, d.stop_ids) == until_stop(base, d.stop_ids)
+                            if pld_s is not None and cfg.temperature <= 0 else None),
+        "lossless": (diverged is None or diverged["near_tie"]) if cfg.temperature <= 0 else None,
+        "divergence": diverged,
+        **({"proposed": spec.proposed, "confidence": spec.confidence} if d.dspark else {}),
+        **({"accepted_uncut": whole.accepted, "proposed_uncut": whole.proposed, "confidence_uncut": whole.confidence}
+           if whole is not None else {}),
+    }
+
+
+STATS = ("acceptance_length", "lossless", "speedup", "speedup_per_prompt", "lookup_acceptance_length",
+         "lookup_speedup", "lookup_lossless", "prompts", "tokens_per_s", "target_dtype", "near_ties", "decoding",
+         "rejected")
+
+
+def eval_report(cfg: EvalConfig, d: Decoding, per_prompt: list[dict], rejected: list) -> tuple[dict, dict]:
+    """The report of eval's own decoding and the manifest's stats of it."""
+    # positions a step can accept: K − 1 drafts (DFlash, DFlash2), K (DSpark, whose anchor slot drafts too)
+    report = summarize(per_prompt, d.block_size + int(d.dspark), cfg)
+    if d.dspark:
+        report["dspark"] = dspark_summary(per_prompt, d.block_size, cfg)
+    # the type greedy output was compared in, and the machinery both decodings ran on
+    report["target_dtype"] = str(d.target.model.dtype).removeprefix("torch.")
+    report["decoding"] = d.machinery
+    report["rejected"] = len(rejected)
+    stats = {key: report[key] for key in STATS}
+    stats["by_dataset"] = {name: {key: block[key] for key in ("acceptance_length", "speedup", "lossless", "prompts")}
+                           for name, block in report["by_dataset"].items()}
+    return report, stats
+
+
+def engine_only_report(cfg: EvalConfig, prompts: list, d: Decoding) -> tuple[dict, dict]:
+    """`engine_only`: a report the engines fill in, with eval's own columns empty."""
+    datasets = sorted({p.dataset for p in prompts})
+    report = {"engine_only": True, "acceptance_length": None, "prompts": len(prompts),
+              "by_dataset": {name: {"acceptance_length": None} for name in datasets},
+              "config": cfg.model_dump(mode="json"), "block_size": d.block_size}
+    return report, {"engine_only": True, "prompts": len(prompts)}
+
+
+def measure_engines(cfg: EvalConfig, d: Decoding, prompts: list, report: dict, stats: dict, per_prompt: list[dict],
+                    drafter_dir: Path, target_path: str, building: Path, out: Path,
+                    log: Callable[[str], None]) -> None:
+    """Each engine's τ on the same prompts into the report and stats; an engine's failure is recorded beside the
+    rest (eval's own measurement is kept)."""
+    passes = sum(len(p["accepted"]) for p in per_prompt) if not cfg.engine_only else None  # eval's verify passes
+    report["engines"] = {}
+    for engine in cfg.engines:
+        try:
+            report["engines"][engine] = engine_report(cfg, engine, prompts, d.render, target_path, drafter_dir,
+                                                      d.block_size, report, passes, building, out, log, d.dspark)
+        except ExpectedFailure as e:  # eval's own measurement is kept, committed beside the failure
+            if cfg.engine_only:  # nothing else was measured: the failure is the run's
+                raise
+            log(f"eval: {engine} failed: {e}")
+            report["engines"][engine] = {"engine": engine, "failed": str(e)}
+    stats["engines"] = {engine: {k: v for k, v in served.items() if k != "by_dataset"}
+                        for engine, served in report["engines"].items()}
+
+
+def say_done(cfg: EvalConfig, out: Path, report: dict, stats: dict, per_prompt: list[dict], rejected: list,
+             log: Callable[[str], None]) -> None:
+    """The run's last line: what was measured and verified; an engine that failed is the command's failure."""
     if failed := failed_engines(stats):
         from flashdraft.served import EngineFailed
 
@@ -259,6 +374,14 @@ def run(
                            "failure beside it; rerun the same command to measure the engine again")
     if rejected:
         log(f"eval: {len(rejected)} records could not be formatted; reasons in {out / 'rejected.jsonl'}")
+    if cfg.engine_only:
+        measured = "; ".join(
+            f"{name} τ {served['overall']['acceptance_length']:.2f}, {served['tokens_per_s']:g} tokens/s"
+            + (f" ({served['speedup']:.2f}× without the drafter)" if served.get("speedup") else "")
+            for name, served in report["engines"].items()
+            if (served.get("overall") or {}).get("acceptance_length") is not None)
+        log(f"eval: done, verified — {out}: engine only, {report['prompts']} prompts: {measured or 'no τ counted'}")
+        return
     per = report["speedup_per_prompt"]
     checked = (f"lossless {report['lossless']} ({report['target_dtype']} target{lossless_detail(report, per_prompt)})"
                if report["lossless"] is not None else
@@ -270,7 +393,6 @@ def run(
         + (f"τ {report['lookup_acceptance_length']:.2f}, {report['lookup_speedup']:.2f}×"
            if report["lookup_speedup"] is not None else "not measured")
     )
-    return stats
 
 
 def failed_engines(stats: dict[str, Any]) -> list[str]:
@@ -279,10 +401,10 @@ def failed_engines(stats: dict[str, Any]) -> list[str]:
 
 
 def engine_report(cfg: EvalConfig, name: str, prompts: list, render: Callable, target_path: str, drafter_dir: Path,
-                  block_size: int, report: dict[str, Any], passes: int, logs: Path, out: Path,
+                  block_size: int, report: dict[str, Any], passes: int | None, logs: Path, out: Path,
                   log: Callable[[str], None], dspark: bool = False) -> dict[str, Any]:
     """The engine's τ on the same prompts and token budget (greedy; a later turn after the engine's own answer),
-    beside eval's own, per dataset."""
+    beside eval's own, per dataset (`passes` None: engine only, no eval measurement to compare)."""
     from flashdraft.evaluate.engines import measure
 
     turns = [(p.dataset, list(p.prompt.messages), p.follow_ups) for p in prompts]
@@ -298,10 +420,16 @@ def engine_report(cfg: EvalConfig, name: str, prompts: list, render: Callable, t
         if passes:  # eval verified drafts, the engine counted none: it is not speculating with this drafter
             raise BadInput(f"{name} drafted nothing on {len(prompts)} prompts where eval verified {passes} drafts: "
                            "its counters show no drafts (is it serving this drafter?)")
+        if passes is None:  # engine only: nothing to say it could have drafted, and no τ is no measurement
+            raise BadInput(f"{name} drafted nothing on {len(prompts)} prompts: its counters show no drafts (is it "
+                           "serving this drafter? are the answers long enough to speculate on?)")
         log(f"eval: {name} drafted nothing, as eval did not: the token budget leaves no step to speculate")
         return engine
-    engine["difference"] = round(tau - report["acceptance_length"], 4)
     overall = engine["overall"]
+    if passes is None:
+        log(f"eval: {name} τ {tau:.2f} ({overall['accepted_tokens']} accepted tokens in {overall['drafts']} drafts)")
+        return engine
+    engine["difference"] = round(tau - report["acceptance_length"], 4)
     log(f"eval: {name} τ {tau:.2f} ({overall['accepted_tokens']} accepted tokens in {overall['drafts']} "
         f"drafts) beside eval's τ {report['acceptance_length']:.2f}")
     return engine

@@ -96,6 +96,12 @@ def dspark_summary(per_prompt: list[dict], block_size: int, cfg: EvalConfig) -> 
 def markdown_report(report: dict[str, Any]) -> str:
     """The per-dataset τ table (report.md, and what eval prints), with what it was measured under."""
     cfg = report["config"]
+    if report.get("engine_only"):  # the engines' tables alone: eval decoded nothing itself
+        lines = [f"engine only — thinking {'on' if cfg['thinking'] else 'off'}, greedy, up to {cfg['max_new_tokens']} "
+                 f"new tokens a turn, {report['prompts']} prompts; eval's own decoding was not run"]
+        for engine in report.get("engines", {}).values():
+            lines += ["", *engine_table(engine, report)]
+        return "\n".join(lines) + "\n"
     lossless = {True: "yes", False: "**no**", None: "not checked (sampled)"}
     lines = [
         f"τ by dataset — thinking {'on' if cfg['thinking'] else 'off'}, temperature {cfg['temperature']}, "
@@ -157,9 +163,10 @@ def engine_table(engine: dict[str, Any], report: dict[str, Any]) -> list[str]:
         rows.append(("**all**", engine["overall"], report["acceptance_length"]))
     for name, block, ours in rows:
         tau = f"{block['acceptance_length']:.2f}" if block["acceptance_length"] is not None else "—"
+        ours = "—" if ours is None else f"{ours:.2f}"  # engine only: eval measured nothing to set beside it
         # llama.cpp counts no acceptance by position: a dash, not an empty cell
         positions = " ".join(f"{x:.2f}" for x in block["acceptance_by_position"] if x is not None) or "—"
-        lines.append(f"| {name} | {tau} | {ours:.2f} | {positions} | {block['drafts']} |")
+        lines.append(f"| {name} | {tau} | {ours} | {positions} | {block['drafts']} |")
     return lines
 
 

@@ -195,6 +195,12 @@ def test_llamacpp_serves_a_dspark_export_and_accepts_what_eval_accepts(tmp_path,
     assert served["draft_tokens"] > 3 * served["drafts"]  # more than DFlash's K − 1 a step: the anchor slot drafts
     assert abs(served["acceptance_length"] - stats["acceptance_length"]) <= 0.1
 
+    # the engine alone (eval.engine_only: minutes on a served engine, no in-process decoding): the same τ there
+    alone = run(cfg.model_copy(update={"engine_only": True}), drafter_dir, tmp_path / "alone", log=print)
+    assert alone["engine_only"] is True and "acceptance_length" not in alone
+    assert abs(alone["engines"]["llamacpp"]["overall"]["acceptance_length"] - served["acceptance_length"]) <= 0.05
+    assert "engine only" in (tmp_path / "alone" / "report.md").read_text()
+
 
 @pytest.mark.slow
 @needs_llamacpp
