@@ -1,7 +1,7 @@
 """docs/config-keys.md, every config key with its default, what it accepts and what it does, generated from the config
 model itself (flashdraft/config.py), so that the page cannot drift from the code:
 
-    .venv/bin/python -m flashdraft.config_reference > docs/config-keys.md      # tests/test_config_reference.py checks it
+    .venv/bin/python -m flashdraft.config_reference > docs/config-keys.md   # tests/test_config_reference.py checks
 
 What a key does is the comment beside it in config.py (on its line, else the comment lines right above it): the
 one place a key is explained. A key without one fails the test. What it accepts comes from its type and bounds.
@@ -14,6 +14,7 @@ import ast
 import io
 import json
 import tokenize
+import types
 import typing
 from pathlib import Path
 
@@ -66,7 +67,7 @@ def accepts(annotation) -> str:
         return accepts(base) + (f" ({', '.join(limits)})" if limits else "")
     if origin is typing.Literal:
         return " \\| ".join(f"`{json.dumps(a)}`" for a in args)
-    if origin in (typing.Union, getattr(__import__("types"), "UnionType")):
+    if origin in (typing.Union, types.UnionType):
         return " or ".join(accepts(a) for a in args)
     if origin is list:
         return f"list of {accepts(args[0])}" if args else "list"
@@ -88,7 +89,8 @@ def default(value) -> str:
 
 def reference() -> str:
     out = ["# Every config key", "",
-           "Generated from `flashdraft/config.py` by `.venv/bin/python -m flashdraft.config_reference > docs/config-keys.md`"
+           "Generated from `flashdraft/config.py` by "
+           "`.venv/bin/python -m flashdraft.config_reference > docs/config-keys.md`"
            " (a test fails when this page and the code differ). A run's YAML sets any of them under its section "
            "(`train:`, `eval:` …); the options a command shows in `--help` override them. Defaults are the embedded "
            "demo's.", ""]

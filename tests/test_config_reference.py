@@ -11,7 +11,8 @@ PAGE = Path(__file__).parents[1] / "docs" / "config-keys.md"
 
 def test_the_config_reference_is_the_one_the_code_generates():
     assert PAGE.read_text() == reference(), (
-        "docs/config-keys.md differs from the config model: .venv/bin/python -m flashdraft.config_reference > docs/config-keys.md")
+        "docs/config-keys.md differs from the config model: "
+        ".venv/bin/python -m flashdraft.config_reference > docs/config-keys.md")
 
 
 def test_every_key_says_what_it_does_with_its_default_and_bounds():

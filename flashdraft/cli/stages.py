@@ -254,6 +254,13 @@ def export(
                                                  "gguf: llama.cpp's (drafter and target, by llama.cpp's converter)."
                                                  )] = ExportFormat.speculators,
     out: Annotated[Path | None, typer.Option(help="Output directory (default: WORKDIR/train/drafter-FORMAT).")] = None,
+    drafter_only: Annotated[bool, typer.Option(
+        "--drafter-only", help="gguf: the drafter alone, to serve beside a target GGUF of your own (quantized "
+                               "or not); the target's directory still gives the tokenizer and the check they fit."
+    )] = False,
+    outtype: Annotated[str, typer.Option(
+        help="gguf: bf16, f16, f32 or q8_0 (llama.cpp's converter's types; quantize further with its "
+             "llama-quantize).")] = "bf16",
     config: ConfigFlag = None,
     json_out: JsonFlag = False,
 ) -> None:
@@ -265,7 +272,13 @@ def export(
     cfg = load_config(config, {})
     drafter = drafter or stage_dir(cfg.workdir, "train")
     out = out or train_dir(cfg.workdir) / f"{DRAFTER}-{format.value}"
-    write = export_gguf if format == ExportFormat.gguf else export_speculators
-    stats = write(drafter, target or cfg.train.target, out, log=human(json_out).print)
+    if format == ExportFormat.gguf:
+        stats = export_gguf(drafter, target or cfg.train.target, out, outtype=outtype, drafter_only=drafter_only,
+                            log=human(json_out).print)
+    else:
+        if drafter_only or outtype != "bf16":
+            fail("--drafter-only and --outtype are options of --format gguf; the speculators checkpoint is one "
+                 "directory in the drafter's own type")
+        stats = export_speculators(drafter, target or cfg.train.target, out, log=human(json_out).print)
     if json_out:
         emit_json({"path": str(out), **stats})

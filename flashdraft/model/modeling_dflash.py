@@ -370,7 +370,8 @@ class DFlashDraftModel(Qwen3PreTrainedModel):
         prompt, device = input_ids.shape[1], input_ids.device
         target_cache, draft_cache = DynamicCache(), DynamicCache()
         # transformers 5.25 renamed the cache argument (`past_key_values` is deprecated there); 4.57 knows the old
-        cached = {"cache" if "cache" in inspect.signature(target.forward).parameters else "past_key_values": target_cache}
+        renamed = "cache" in inspect.signature(target.forward).parameters
+        cached = {"cache" if renamed else "past_key_values": target_cache}
         output = target(input_ids, **cached, use_cache=True, output_hidden_states=True)
         tokens = torch.cat([input_ids, _pick(output.logits[:, -1:], temperature)], dim=1)
         context, steps = features(output), []

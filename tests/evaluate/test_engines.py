@@ -242,3 +242,46 @@ def test_an_engine_without_counts_by_position_shows_a_dash_not_an_empty_cell():
     lines = engine_table({"engine": "llamacpp", "tokens_per_s": 10.0, "by_dataset": {"chat": block}},
                          {"by_dataset": {"chat": {"acceptance_length": 1.6}}, "acceptance_length": 1.6})
     assert lines[-1] == "| chat | 1.50 | 1.60 | — | 12 |"
+
+
+@pytest.mark.slow
+@needs_llamacpp
+def test_the_drafter_alone_serves_beside_a_quantized_target(cli, tmp_path, smollm2_dir, agreeing_export):
+    """`export --format gguf --drafter-only`: the drafter's file alone (no target converted), which llama-server
+    serves beside a target GGUF of the user's own — here llama.cpp's own Q8_0 quantization of the target — and
+    accepts there about what it accepts beside the float32 target (printed: the measurement docs/serving.md gives)."""
+    import subprocess
+
+    from transformers import AutoTokenizer
+
+    from flashdraft.evaluate import renderer
+    from flashdraft.evaluate.engines import decode_all, llamacpp_command, summary
+    from flashdraft.served import served
+
+    drafter_dir, _ = agreeing_export
+    alone, whole = tmp_path / "alone", tmp_path / "whole"
+    done = cli("export", "--format", "gguf", "--drafter", str(drafter_dir), "--target", smollm2_dir, "--out",
+               str(alone), "--drafter-only", "--outtype", "f32")
+    assert done.returncode == 0, done.stderr
+    assert sorted(p.name for p in alone.iterdir()) == ["drafter.gguf", "manifest.json"]
+    assert "-m YOUR-TARGET.gguf -md" in done.stdout + done.stderr
+    assert cli("export", "--format", "gguf", "--drafter", str(drafter_dir), "--target", smollm2_dir, "--out",
+               str(whole), "--outtype", "f32").returncode == 0
+    server = engine_program("llamacpp", None)
+    quantized = tmp_path / "target-q8_0.gguf"
+    subprocess.run([str(server.with_name("llama-quantize")), str(whole / "target-f32.gguf"), str(quantized), "Q8_0"],
+                   check=True, capture_output=True)
+
+    render = renderer(AutoTokenizer.from_pretrained(smollm2_dir), False)
+    turns = [("p", [{"role": "user", "content": text}], ()) for text in PROMPTS]
+    tau = {}
+    for name, target in (("f32", whole / "target-f32.gguf"), ("q8_0", quantized)):
+        def command(where, target=target):
+            return llamacpp_command(server, target, alone / "drafter.gguf", 4, where, 2048)
+
+        with served(command, tmp_path / f"llama-{name}.log", print) as endpoint:
+            by_set, _, _ = decode_all("llamacpp", endpoint, turns, render, 48, 3)
+        tau[name] = summary(by_set)["overall"]["acceptance_length"]
+    print("τ beside the f32 target and the Q8_0 one:", tau)
+    # (the agreeing drafter is accepted a little, as in eval: τ 1.05 here; a misread pair accepts nothing)
+    assert tau["f32"] > 1.0 and tau["q8_0"] > 1.0 and abs(tau["q8_0"] - tau["f32"]) < 0.1, tau
