@@ -27,6 +27,9 @@ def summarize(per_prompt: list[dict], block_size: int, cfg: EvalConfig) -> dict[
         lookup_lossless = [r["lookup_lossless"] for r in rows if r["lookup_lossless"] is not None]
         return {
             "prompts": len(rows),  # decoded turns: mt-bench's prompts count twice
+            # the input a turn was decoded after (its prompt and, for a later turn, the turns before): τ falls
+            # with it, which SPEED-Bench's throughput sets measure
+            "prompt_tokens_mean": round(statistics.fmean([r["prompt_tokens"] for r in rows]), 1),
             "acceptance_length": acceptance_length(steps),
             # z-lab's benchmark averages each turn's own τ (a short answer weighs as much as a long one)
             "acceptance_length_mean_per_turn": statistics.fmean(
@@ -56,6 +59,12 @@ def summarize(per_prompt: list[dict], block_size: int, cfg: EvalConfig) -> dict[
         datasets[row.get("dataset", "prompts")].append(row)
         categories[row["category"]].append(row)
     report["by_dataset"] = {name: block(rows) for name, rows in datasets.items()}  # in the order given
+    for name, rows in datasets.items():  # a set's own categories (SPEED-Bench's 11, MT-Bench's 8): a row each
+        own = defaultdict(list)
+        for row in rows:
+            own[row["category"]].append(row)
+        if len(own) > 1:
+            report["by_dataset"][name]["by_category"] = {c: block(r) for c, r in sorted(own.items())}
     if len(categories) > 1:
         report["by_category"] = {name: block(rows) for name, rows in sorted(categories.items())}
     report["config"] = cfg.model_dump()
@@ -108,23 +117,33 @@ def markdown_report(report: dict[str, Any]) -> str:
         f"up to {cfg['max_new_tokens']} new tokens a turn, {report['target_dtype']} target, "
         f"decoding: {report['decoding']}",
         "",
-        "| dataset | turns | τ | τ, mean per turn | acceptance by position 1…K−1 | speedup | lossless |",
-        "|---|---:|---:|---:|---|---:|---|",
+        "| dataset | turns | input tokens | τ | τ, mean per turn | acceptance by position 1…K−1 | speedup | lossless |",
+        "|---|---:|---:|---:|---:|---|---:|---|",
     ]
     rows = list(report["by_dataset"].items())
     if len(rows) > 1:
         rows.append(("**all**", report))
     for name, block in rows:
-        positions = " ".join(f"{x:.2f}" for x in block["acceptance_by_position"])
-        lines.append(f"| {name} | {block['prompts']} | {block['acceptance_length']:.2f} | "
-                     f"{block['acceptance_length_mean_per_turn']:.2f} | {positions} | {block['speedup']:.2f}× | "
-                     f"{lossless[block['lossless']]} |")
+        lines.append(table_row(name, block, lossless))
+    for name, block in report["by_dataset"].items():
+        if "by_category" in block:
+            lines += ["", f"τ by category — {name}", "",
+                      "| category | turns | input tokens | τ | τ, mean per turn | acceptance by position 1…K−1 | "
+                      "speedup | lossless |", "|---|---:|---:|---:|---:|---|---:|---|"]
+            lines += [table_row(category, rows, lossless) for category, rows in block["by_category"].items()]
     if "dspark" in report:
         lines += ["", *dspark_table(report["dspark"])]
     for engine in report.get("engines", {}).values():
         lines += ["", *(engine_table(engine, report) if not engine.get("failed") else
                         [f"τ in {engine['engine']}: not measured — it failed: {engine['failed']}"])]
     return "\n".join(lines) + "\n"
+
+
+def table_row(name: str, block: dict[str, Any], lossless: dict) -> str:
+    positions = " ".join(f"{x:.2f}" for x in block["acceptance_by_position"])
+    return (f"| {name} | {block['prompts']} | {block['prompt_tokens_mean']:,.0f} | {block['acceptance_length']:.2f} | "
+            f"{block['acceptance_length_mean_per_turn']:.2f} | {positions} | {block['speedup']:.2f}× | "
+            f"{lossless[block['lossless']]} |")
 
 
 def dspark_table(dspark: dict[str, Any]) -> list[str]:
@@ -204,3 +223,22 @@ def plot(report: dict[str, Any], out: Path) -> None:
     with atomic_open(out / "tau_histogram.png") as f:
         fig.savefig(f, format="png", dpi=120)
     plt.close(fig)
+
+    sets = report["by_dataset"]
+    if len(sets) > 1:  # τ against the input it was decoded after: eval's per set, and each engine's beside it
+        fig, ax = plt.subplots(figsize=(6, 3.5))
+        x = [block["prompt_tokens_mean"] for block in sets.values()]
+        ax.plot(x, [block["acceptance_length"] for block in sets.values()], "o-", label="eval")
+        for name, served in (report.get("engines") or {}).items():
+            points = [(block["prompt_tokens_mean"], served["by_dataset"][set_name]["acceptance_length"])
+                      for set_name, block in sets.items()
+                      if not served.get("failed") and (served["by_dataset"].get(set_name) or {}).get(
+                          "acceptance_length") is not None]
+            if points:
+                ax.plot(*zip(*points, strict=True), "s--", label=name)
+        ax.set(xscale="log", xlabel="mean input tokens a turn (log)", ylabel="τ", title="τ by input length")
+        ax.legend()
+        fig.tight_layout()
+        with atomic_open(out / "tau_by_input_length.png") as f:
+            fig.savefig(f, format="png", dpi=120)
+        plt.close(fig)

@@ -3,8 +3,9 @@
     flashdraft eval --prompts gsm8k --prompts mt-bench=data/mt_bench.jsonl --prompts builtin:chat-heldout
 
 A source is one of:
-- a standard set's name (`gsm8k`, `math500`, `humaneval`, `mbpp`, `mt-bench`; standard_sets.yaml): the public
-  dataset through `datasets.load_dataset`, formatted as z-lab's benchmark script formats it;
+- a standard set's name (`gsm8k`, `math500`, `humaneval`, `mbpp`, `mt-bench`, and SPEED-Bench's `speed-bench`,
+  `speed-bench-1k` … `speed-bench-32k`; standard_sets.yaml): the public dataset through `datasets.load_dataset`,
+  formatted as z-lab's benchmark script formats it (SPEED-Bench: its user turns as they are);
 - `NAME=PATH`: the same set from a local JSONL / Parquet file or `save_to_disk` directory in the dataset's own
   schema and field names (for machines that cannot reach the hub): the same formatting, the same code after the
   rows are read;
@@ -161,6 +162,9 @@ def _turns(spec: dict[str, Any], record: Any) -> list[str]:
         turns = record.get(field)
         if not isinstance(turns, list) or not turns or not all(isinstance(t, str) and t.strip() for t in turns):
             raise ValueError(f"`{field}` must be a non-empty list of non-empty strings")
+        if spec.get("placeholder") and any(spec["placeholder"] in t for t in turns):
+            raise ValueError(f"its `{field}` are the hub copy's placeholder, not the prompt (the text stays at its "
+                             "source: fetch the full set with ModelOpt's specdec_bench and pass NAME=PATH)")
         return turns
     for name in template_fields(spec["turn"]):
         if name not in record:

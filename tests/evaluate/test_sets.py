@@ -23,7 +23,9 @@ def rows(name: str) -> list[dict]:
 
 
 def test_each_set_is_formatted_as_z_labs_benchmark_formats_it():
-    assert set(standard_sets()) == {"gsm8k", "math500", "humaneval", "mbpp", "mt-bench"}
+    assert set(standard_sets()) == {"gsm8k", "math500", "humaneval", "mbpp", "mt-bench", "speed-bench",
+                                    *(f"speed-bench-{n}k" for n in (1, 2, 8, 16, 32))}
+    assert standard_sets()["speed-bench-8k"]["hub"] == ["nvidia/SPEED-Bench", "throughput_8k"]
     assert first_turns("gsm8k", ASSETS / "gsm8k.jsonl") == [r["question"] + BOXED for r in rows("gsm8k")]
     assert first_turns("math500", ASSETS / "math500.jsonl") == [r["problem"] + BOXED for r in rows("math500")]
     assert first_turns("humaneval", ASSETS / "humaneval.jsonl") == [
@@ -139,7 +141,8 @@ def test_eval_reports_a_tau_table_per_dataset(cli, tmp_path, tiny_model_dir):
     table = (out / "report.md").read_text()
     assert table in result.stdout.replace("\n", "\n")  # printed as written
     assert "thinking off, temperature 0.0" in table and "decoding: static KV cache" in table
-    body = [line for line in table.splitlines() if line.startswith("| ") and not line.startswith("| dataset")]
+    first = table.split("\n\n")[1]  # the table by dataset (mt-bench's categories follow in their own)
+    body = [line for line in first.splitlines() if line.startswith("| ") and not line.startswith("| dataset")]
     assert [line.split(" | ")[0] for line in body] == ["| gsm8k", "| mt-bench", "| builtin:chat-heldout", "| **all**"]
     assert [int(line.split(" | ")[1]) for line in body] == [2, 4, 2, 8]  # mt-bench's two prompts: two turns each
 
@@ -154,3 +157,43 @@ def test_eval_reports_a_tau_table_per_dataset(cli, tmp_path, tiny_model_dir):
         assert second["prompt_tokens"] > first["prompt_tokens"] + first["tokens"] // 2
     assert report["decoding"].startswith("static KV cache") and report["config"]["thinking"] is False
     assert json.loads((out / "manifest.json").read_text())["stats"]["by_dataset"]["gsm8k"]["prompts"] == 2
+
+
+def test_speed_bench_reports_tau_per_category_and_by_input_length(cli, tmp_path, tiny_model_dir):
+    """SPEED-Bench from local files in its own schema (question_id, category, sub_category, turns, source, …): the
+    qualitative config with a row per category in report.md, a two-turn record asked after the target's answer,
+    a placeholder record of the hub copy rejected with the reason; two throughput configs with their mean input
+    tokens and a plot of τ against it; lossless throughout."""
+    import torch
+
+    from flashdraft.model.drafter import DFlashDrafter, draft_config
+    from flashdraft.model.export import save_drafter
+    from flashdraft.model.target import Target
+
+    target = Target(tiny_model_dir, "cpu", lambda s: None)
+    torch.manual_seed(0)
+    save_drafter(DFlashDrafter(draft_config(target.config, num_layers=1, block_size=4, mask_token_id=0)),
+                 tmp_path / "drafter")
+    out = tmp_path / "eval"
+    result = cli("eval", "--drafter", str(tmp_path / "drafter"), "--target", tiny_model_dir, "--out", str(out),
+                 "--prompts", f"speed-bench={ASSETS / 'speed-bench-qualitative.jsonl'}",
+                 "--prompts", f"speed-bench-1k={ASSETS / 'speed-bench-throughput_1k.jsonl'}",
+                 "--prompts", f"speed-bench-2k={ASSETS / 'speed-bench-throughput_2k.jsonl'}",
+                 "--max-new-tokens", "8", check=True)
+    report = json.loads((out / "report.json").read_text())
+    qualitative = report["by_dataset"]["speed-bench"]
+    assert sorted(qualitative["by_category"]) == ["coding", "math", "roleplay"]
+    assert qualitative["prompts"] == 6 and qualitative["by_category"]["roleplay"]["prompts"] == 2  # two turns
+    assert report["lossless"] is True
+    table = (out / "report.md").read_text()
+    section = table.split("τ by category — speed-bench\n")[1].strip().split("\n\n")[0]
+    assert [line.split(" | ")[0] for line in section.splitlines()[2:]] == ["| coding", "| math", "| roleplay"]
+    rejected = [json.loads(line) for line in (out / "rejected.jsonl").read_text().splitlines()]
+    assert len(rejected) == 1 and "placeholder" in rejected[0]["reason"] and "specdec_bench" in rejected[0]["reason"]
+
+    short, long = report["by_dataset"]["speed-bench-1k"], report["by_dataset"]["speed-bench-2k"]
+    assert long["prompt_tokens_mean"] > 2.5 * short["prompt_tokens_mean"]
+    assert sorted(short["by_category"]) == ["high_entropy", "low_entropy"]
+    assert f"| speed-bench-2k | 2 | {long['prompt_tokens_mean']:,.0f} |" in table
+    assert (out / "tau_by_input_length.png").stat().st_size > 0
+    assert "1 records could not be formatted" in result.stdout + result.stderr
