@@ -289,7 +289,9 @@ class EvalConfig(Section):
     max_new_tokens: Annotated[int, Field(ge=2, le=INT_MAX)] = 64
     # 0: greedy, checked token for token; > 0: lossless sampling, checked by distribution
     temperature: NonNegativeFloat = 0.0
-    thinking: bool = False  # the chat template's thinking mode for every prompt
+    # the chat template's thinking mode for every prompt; [true, false] (`--thinking on,off`) measures each prompt in
+    # both modes in one run, a row per set and mode (τ differs by mode 2–3×); `run` follows generate.thinking
+    thinking: bool | Annotated[list[bool], Field(min_length=1, max_length=2)] = False
     prompt_lookup_tokens: Positive = 10  # the prompt-lookup baseline's n-gram draft length
     # the target's (and so the drafter's) weight type while decoding: auto = bfloat16 on CUDA, float32 on a CPU.
     target_dtype: Literal["auto", "bfloat16", "float32"] = "auto"
@@ -325,6 +327,11 @@ class EvalConfig(Section):
     @property
     def sources(self) -> list[str]:
         return [self.prompts] if isinstance(self.prompts, str) else list(self.prompts)
+
+    @property
+    def thinking_modes(self) -> list[bool]:
+        """The modes each prompt is measured in, in the order given."""
+        return [self.thinking] if isinstance(self.thinking, bool) else list(dict.fromkeys(self.thinking))
 
     @property
     def engines(self) -> list[str]:

@@ -47,6 +47,15 @@ def train_settings(cfg: PipelineConfig):
     return cfg.train
 
 
+def eval_settings(cfg: PipelineConfig):
+    """eval's settings as `run` uses them: unless the config sets eval.thinking, the mode generation used
+    (generate.thinking: on, off, or both for "mixed"), since that is the drafter's own mode."""
+    if "thinking" in cfg.eval.model_fields_set:
+        return cfg.eval
+    mode = cfg.generate.thinking
+    return cfg.eval.model_copy(update={"thinking": [True, False] if mode == "mixed" else mode})
+
+
 def selected(from_stage: str | None, until: str | None) -> list[str]:
     for name in (from_stage, until):
         if name is not None and name not in STAGES:
@@ -82,8 +91,8 @@ def run_pipeline(
         "generate": lambda: generate.run(cfg.generate, mine, console=console, log=log),
         "tokenize": tokenize_all,
         "train": lambda: train.run(train_cfg, stage_dir(work, "tokenize"), train_dir(work), console=console, log=log),
-        "eval": lambda: evaluate.run(cfg.eval, stage_dir(work, "train"), stage_dir(work, "eval"), console=console,
-                                     log=log),
+        "eval": lambda: evaluate.run(eval_settings(cfg), stage_dir(work, "train"), stage_dir(work, "eval"),
+                                     console=console, log=log),
     }
     results = {}
     chosen = selected(from_stage, until)

@@ -153,14 +153,16 @@ def test_eval_measures_the_engine_it_started_and_reads_its_empty_health_answer(c
 def test_engine_only_measures_in_the_engine_alone_and_reports_no_tau_of_its_own(cli, tmp_path, eval_setup,
                                                                                 tiny_model_dir):
     out = tmp_path / "eval"
-    args = [*eval_args(tmp_path, eval_setup, tiny_model_dir, out), "--engine-only", "--json"]
+    args = [*eval_args(tmp_path, eval_setup, tiny_model_dir, out), "--engine-only", "--thinking", "on,off", "--json"]
     done = cli(*args, env=standin_env("honest"))
     assert done.returncode == 0, done.stderr
     stats = json.loads(done.stdout)
     assert stats["engine_only"] is True and stats["engines"]["vllm"]["overall"]["acceptance_length"] == 2.0
     assert "acceptance_length" not in stats and "eval: turns decoded" not in done.stderr  # nothing decoded here
     assert "engine only" in (out / "report.md").read_text() and "| — |" in (out / "report.md").read_text()
-    assert "engine only, 2 prompts: vllm τ 2.00" in done.stderr.strip().splitlines()[-1]
+    assert "engine only, 4 prompts: vllm τ 2.00" in done.stderr.strip().splitlines()[-1]  # 2 prompts × 2 modes
+    served = json.loads((out / "report.json").read_text())["engines"]["vllm"]["by_dataset"]
+    assert sorted(served) == [f"{eval_setup[1]} · thinking off", f"{eval_setup[1]} · thinking on"]
     again = cli(*args, env=standin_env("honest"))
     assert again.returncode == 0 and "already done, verified" in again.stderr
     refused = cli("eval", "--drafter", str(eval_setup[0]), "--out", str(tmp_path / "x"), "--engine-only")

@@ -194,7 +194,9 @@ def evaluate(
     max_new_tokens: Annotated[int | None, typer.Option(help="Tokens to decode per prompt.")] = None,
     temperature: Annotated[float | None, typer.Option(help="0 = greedy (checked lossless).")] = None,
     max_prompts: Annotated[int | None, typer.Option(help="Prompts per --prompts set.")] = None,
-    thinking: Annotated[str | None, typer.Option(help="on | off: enable_thinking in the chat template.")] = None,
+    thinking: Annotated[str | None, typer.Option(
+        help="on | off | on,off: enable_thinking in the chat template; on,off measures every prompt in both modes "
+             "in one run, a row per set and mode.")] = None,
     decoding: Annotated[str | None, typer.Option(
         help="auto | static | dynamic: auto is a static KV cache with CUDA graphs on a GPU, the growing cache on "
              "a CPU.")] = None,
@@ -225,7 +227,7 @@ def evaluate(
         "eval.max_new_tokens": max_new_tokens,
         "eval.temperature": temperature,
         "eval.max_prompts": max_prompts,
-        "eval.thinking": {"on": True, "off": False}.get(thinking, thinking),
+        "eval.thinking": thinking_modes(thinking),
         "eval.decoding": decoding,
         "eval.engine": (engine[0] if len(engine) == 1 else list(engine)) if engine else None,
         "eval.engine_url": engine_url,
@@ -239,6 +241,15 @@ def evaluate(
     stats = stage.run(cfg.eval, drafter, out, console=err_console, log=human(json_out).print)
     if json_out:
         emit_json({"path": str(out), **stats})
+
+
+def thinking_modes(flag: str | None) -> bool | list | str | None:
+    """`--thinking on`, `off` or `on,off` → the config's value (a word it does not know goes on to be refused)."""
+    if flag is None:
+        return None
+    words = {"on": True, "off": False}
+    modes = [words.get(part.strip(), part.strip()) for part in flag.split(",")]
+    return modes[0] if len(modes) == 1 else modes
 
 
 class ExportFormat(StrEnum):

@@ -28,7 +28,7 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -126,15 +126,19 @@ def run(
 
 
 def load_prompts(cfg: EvalConfig) -> tuple[list, list[dict], list]:
-    """Every set's prompts, the records none could be made of (with their set), and the sets; a set with no usable
-    prompt is refused (nothing to measure τ on)."""
+    """Every set's prompts in every thinking mode asked for, the records none could be made of (with their set), and
+    the sets; a set with no usable prompt is refused (nothing to measure τ on). With two modes each set is measured
+    twice, as `NAME · thinking on` and `NAME · thinking off`."""
     sets = load_eval_sets(cfg.sources, cfg.max_prompts)
     for each in sets:
         if not each.prompts:
             raise BadInput(f"no usable prompts in {each.name}"
                            + (f" ({len(each.rejected)} rejected: {each.rejected[0].reason})" if each.rejected else "")
                            + ": nothing to measure τ on")
-    prompts = [prompt for each in sets for prompt in each.prompts]
+    modes = cfg.thinking_modes
+    prompts = [replace(prompt, dataset=prompt.dataset if len(modes) == 1 else f"{prompt.dataset} · thinking "
+                       f"{'on' if mode else 'off'}", prompt=replace(prompt.prompt, thinking=mode))
+               for each in sets for mode in modes for prompt in each.prompts]
     rejected = [{**r.to_json(), "set": each.name} for each in sets for r in each.rejected]
     return prompts, rejected, sets
 
@@ -172,7 +176,7 @@ class Decoding:
     """What decoding needs, set up once: the target and drafter, the prompts' rendering, the decoder chosen and the
     words the report says it with (with `engine_only`, the rendering and the drafter's block only)."""
 
-    render: Callable[[list[dict]], list[int]]
+    render: Callable[[list[dict], bool], list[int]]  # (messages, thinking) → token ids
     block_size: int
     dspark: bool
     target: Target | None = None
@@ -186,8 +190,9 @@ class Decoding:
     generator: Any = None
 
 
-def renderer(tokenizer, thinking: bool) -> Callable[[list[dict]], list[int]]:
-    def render(messages: list[dict]) -> list[int]:
+def renderer(tokenizer) -> Callable[[list[dict], bool], list[int]]:
+    """The target's chat template: messages in a thinking mode → the token ids decoded after them."""
+    def render(messages: list[dict], thinking: bool) -> list[int]:
         rendered = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
                                                  return_dict=True, enable_thinking=thinking)
         return list(rendered["input_ids"])
@@ -222,13 +227,14 @@ def prepare_decoding(cfg: EvalConfig, drafter_dir: Path, target_path: str, promp
         log("eval: the prompt-lookup baseline is skipped: this transformers' assisted generation refuses stateful "
             "(hybrid linear-attention) models (5.25 and later run it)")
     turns = sum(1 + len(p.follow_ups) for p in prompts)
+    modes = " and ".join("on" if mode else "off" for mode in cfg.thinking_modes)
     log(f"eval: {len(prompts)} prompts ({turns} turns) from {len(sets)} set(s), {cfg.max_new_tokens} new tokens "
-        f"a turn, temperature {cfg.temperature}, thinking {'on' if cfg.thinking else 'off'}; decoding: {machinery}")
-    render = renderer(tokenizer, cfg.thinking)
+        f"a turn, temperature {cfg.temperature}, thinking {modes}; decoding: {machinery}")
+    render = renderer(tokenizer)
     if isinstance(decoder, StaticSpecDecoder):
         # Buffers for the whole run, reserved once: new buffers mid-run would mean new graphs, captured while
         # a prompt is timed. A later turn holds the earlier ones and their answers (+ room for its own text).
-        longest = max(len(render(p.prompt.messages)) for p in prompts)
+        longest = max(len(render(p.prompt.messages, p.prompt.thinking)) for p in prompts)
         turns_most = max(1 + len(p.follow_ups) for p in prompts)
         context = getattr(target.config, "max_position_embeddings", None)
         if isinstance(context, int) and longest + cfg.max_new_tokens > context:  # before any buffer is asked for
@@ -237,7 +243,8 @@ def prepare_decoding(cfg: EvalConfig, drafter_dir: Path, target_path: str, promp
                            f"at most {max(1, context - longest):,}")
         decoder.reserve(longest + turns_most * (cfg.max_new_tokens + 512) + 2 * drafter.block_size)
         if decoder.compiled:
-            decoder, machinery = warm_up(decoder, render(prompts[0].prompt.messages), target, drafter, stop_ids, log)
+            decoder, machinery = warm_up(decoder, render(prompts[0].prompt.messages, prompts[0].prompt.thinking),
+                                         target, drafter, stop_ids, log)
     return Decoding(render=render, block_size=drafter.block_size, dspark=is_dspark(drafter), target=target,
                     drafter=drafter, tokenizer=tokenizer, stop_ids=stop_ids, decoder=decoder, machinery=machinery,
                     uncut=uncut, stateful=stateful,
@@ -256,7 +263,7 @@ def served_only(cfg: EvalConfig, drafter_dir: Path, target_path: str, log: Calla
     if not isinstance(block_size, int) or block_size < 2:
         raise BadInput(f"{drafter_dir}/config.json gives no block size (block_size, dflash_config.block_size)")
     log(f"eval: engine only — {', '.join(cfg.engines)} on the prompts; eval's own decoding is not run")
-    return Decoding(render=renderer(AutoTokenizer.from_pretrained(target_path), cfg.thinking), block_size=block_size,
+    return Decoding(render=renderer(AutoTokenizer.from_pretrained(target_path)), block_size=block_size,
                     dspark=served_spec_type(config, drafter_dir) == "draft-dspark")
 
 
@@ -273,7 +280,7 @@ def decode_prompts(cfg: EvalConfig, d: Decoding, prompts: list, decoded: list | 
             for turn, follow_up in enumerate((None, *item.follow_ups), start=1):
                 if follow_up is not None:  # asked after the target's own answer to the turn before
                     messages += [{"role": "assistant", "content": answer}, {"role": "user", "content": follow_up}]
-                ids = d.render(messages)
+                ids = d.render(messages, item.prompt.thinking)
                 row = decode_turn(cfg, d, ids)
                 answer = d.tokenizer.decode(row.pop("token_ids"), skip_special_tokens=True)
                 per_prompt.append({"id": item.prompt.id, "dataset": item.dataset, "turn": turn,
@@ -407,8 +414,8 @@ def engine_report(cfg: EvalConfig, name: str, prompts: list, render: Callable, t
     beside eval's own, per dataset (`passes` None: engine only, no eval measurement to compare)."""
     from flashdraft.evaluate.engines import measure
 
-    turns = [(p.dataset, list(p.prompt.messages), p.follow_ups) for p in prompts]
-    longest = max(len(render(p.prompt.messages)) for p in prompts)
+    turns = [(p.dataset, list(p.prompt.messages), p.follow_ups, p.prompt.thinking) for p in prompts]
+    longest = max(len(render(p.prompt.messages, p.prompt.thinking)) for p in prompts)
     log(f"eval: measuring τ in {name} on the same {len(prompts)} prompts")
     engine = measure(name, turns, render, target_dir=Path(target_path), drafter_dir=drafter_dir,
                      block_size=block_size, max_new_tokens=cfg.max_new_tokens, longest_prompt=longest, logs=logs,

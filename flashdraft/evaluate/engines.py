@@ -36,7 +36,8 @@ from flashdraft.layout import cache_dir, engines_dir
 from flashdraft.served import SERVED_NAME, Endpoint, EngineFailed, ask, check_installed, served
 
 ENGINES = ("vllm", "llamacpp")
-Turns = list[tuple[str, list[dict], tuple[str, ...]]]  # (dataset, first turn's messages, later user turns)
+# (dataset, first turn's messages, later user turns, thinking mode): rendered by render(messages, thinking)
+Turns = list[tuple[str, list[dict], tuple[str, ...], bool]]
 ANSWER_DEADLINE_S = 600  # one completion on a 2-core CPU; on a GPU seconds
 
 
@@ -220,7 +221,7 @@ def decode_all(engine: str, endpoint: Endpoint, turns: Turns, render: Callable, 
     """Every prompt's turns, greedily, one at a time: {dataset: the draft counts they made}, seconds, tokens."""
     by_set: dict[str, dict[str, float]] = {}
     seconds, tokens = 0.0, 0
-    for dataset, messages, follow_ups in turns:
+    for dataset, messages, follow_ups, thinking in turns:
         messages = list(messages)
         before = read_counters(endpoint, positions) if engine == "vllm" else None
         made = Counters(0.0, 0.0, 0.0, ())
@@ -228,7 +229,7 @@ def decode_all(engine: str, endpoint: Endpoint, turns: Turns, render: Callable, 
             if turn:
                 messages.append({"role": "user", "content": follow_ups[turn - 1]})
             started = time.perf_counter()
-            text, n, counted = complete(engine, endpoint, render(messages), max_new_tokens, positions)
+            text, n, counted = complete(engine, endpoint, render(messages, thinking), max_new_tokens, positions)
             seconds += time.perf_counter() - started
             tokens += n
             if counted is not None:

@@ -106,14 +106,14 @@ def markdown_report(report: dict[str, Any]) -> str:
     """The per-dataset τ table (report.md, and what eval prints), with what it was measured under."""
     cfg = report["config"]
     if report.get("engine_only"):  # the engines' tables alone: eval decoded nothing itself
-        lines = [f"engine only — thinking {'on' if cfg['thinking'] else 'off'}, greedy, up to {cfg['max_new_tokens']} "
+        lines = [f"engine only — thinking {thinking_words(cfg['thinking'])}, greedy, up to {cfg['max_new_tokens']} "
                  f"new tokens a turn, {report['prompts']} prompts; eval's own decoding was not run"]
         for engine in report.get("engines", {}).values():
             lines += ["", *engine_table(engine, report)]
         return "\n".join(lines) + "\n"
     lossless = {True: "yes", False: "**no**", None: "not checked (sampled)"}
     lines = [
-        f"τ by dataset — thinking {'on' if cfg['thinking'] else 'off'}, temperature {cfg['temperature']}, "
+        f"τ by dataset — thinking {thinking_words(cfg['thinking'])}, temperature {cfg['temperature']}, "
         f"up to {cfg['max_new_tokens']} new tokens a turn, {report['target_dtype']} target, "
         f"decoding: {report['decoding']}",
         "",
@@ -137,6 +137,12 @@ def markdown_report(report: dict[str, Any]) -> str:
         lines += ["", *(engine_table(engine, report) if not engine.get("failed") else
                         [f"τ in {engine['engine']}: not measured — it failed: {engine['failed']}"])]
     return "\n".join(lines) + "\n"
+
+
+def thinking_words(setting) -> str:
+    """`on`, `off`, or `on and off` (a row per set and mode)."""
+    modes = [setting] if isinstance(setting, bool) else list(dict.fromkeys(setting))
+    return " and ".join("on" if mode else "off" for mode in modes) + (" (a row each)" if len(modes) > 1 else "")
 
 
 def table_row(name: str, block: dict[str, Any], lossless: dict) -> str:

@@ -272,8 +272,8 @@ def test_the_drafter_alone_serves_beside_a_quantized_target(cli, tmp_path, smoll
     subprocess.run([str(server.with_name("llama-quantize")), str(whole / "target-f32.gguf"), str(quantized), "Q8_0"],
                    check=True, capture_output=True)
 
-    render = renderer(AutoTokenizer.from_pretrained(smollm2_dir), False)
-    turns = [("p", [{"role": "user", "content": text}], ()) for text in PROMPTS]
+    render = renderer(AutoTokenizer.from_pretrained(smollm2_dir))
+    turns = [("p", [{"role": "user", "content": text}], (), False) for text in PROMPTS]
     tau = {}
     for name, target in (("f32", whole / "target-f32.gguf"), ("q8_0", quantized)):
         def command(where, target=target):

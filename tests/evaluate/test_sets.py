@@ -197,3 +197,42 @@ def test_speed_bench_reports_tau_per_category_and_by_input_length(cli, tmp_path,
     assert f"| speed-bench-2k | 2 | {long['prompt_tokens_mean']:,.0f} |" in table
     assert (out / "tau_by_input_length.png").stat().st_size > 0
     assert "1 records could not be formatted" in result.stdout + result.stderr
+
+
+def test_both_thinking_modes_are_measured_in_one_run_a_row_each(cli, tmp_path, tiny_model_dir, qwen3_5_template):
+    """`--thinking on,off`: every prompt in both modes (the chat template's generation prompt differs: an empty
+    think block with thinking off), a row per set and mode; `run` follows generate's mode unless eval sets one."""
+    import shutil
+
+    import torch
+    from transformers import AutoTokenizer
+
+    from flashdraft.config import PipelineConfig
+    from flashdraft.model.drafter import DFlashDrafter, draft_config
+    from flashdraft.model.export import save_drafter
+    from flashdraft.model.target import Target
+    from flashdraft.pipeline import eval_settings
+
+    model = tmp_path / "model"
+    shutil.copytree(tiny_model_dir, model)
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    tokenizer.chat_template = qwen3_5_template
+    tokenizer.save_pretrained(model)
+    target = Target(str(model), "cpu", lambda s: None)
+    torch.manual_seed(0)
+    save_drafter(DFlashDrafter(draft_config(target.config, num_layers=1, block_size=4, mask_token_id=0)),
+                 tmp_path / "drafter")
+    out = tmp_path / "eval"
+    cli("eval", "--drafter", str(tmp_path / "drafter"), "--target", str(model), "--out", str(out), "--prompts",
+        f"gsm8k={ASSETS / 'gsm8k.jsonl'}", "--max-new-tokens", "6", "--thinking", "on,off", check=True)
+    report = json.loads((out / "report.json").read_text())
+    on, off = report["by_dataset"]["gsm8k · thinking on"], report["by_dataset"]["gsm8k · thinking off"]
+    assert list(report["by_dataset"]) == ["gsm8k · thinking on", "gsm8k · thinking off"]
+    assert on["prompts"] == off["prompts"] and off["prompt_tokens_mean"] > on["prompt_tokens_mean"]  # </think>
+    assert report["lossless"] is True and report["config"]["thinking"] == [True, False]
+    assert "thinking on and off (a row each)" in (out / "report.md").read_text()
+
+    generated_in = {True: True, "mixed": [True, False], False: False}
+    for mode, expected in generated_in.items():
+        assert eval_settings(PipelineConfig(generate={"thinking": mode})).thinking == expected
+    assert eval_settings(PipelineConfig(generate={"thinking": True}, eval={"thinking": False})).thinking is False
