@@ -302,6 +302,10 @@ class EvalConfig(Section):
     # benchmarks/RESULTS.md ("near ties") give what rounding and a decoding bug measured.
     near_tie_ulps: NonNegative = 2
     seed: Seed = 0  # the sampling seed (temperature > 0)
+    # temperature > 0: the whole measurement repeated over this many seeds (seed, seed + 1, …), in eval and in each
+    # engine; τ is then a random variable, reported with its mean and standard deviation over the seeds, and the
+    # engine's τ is judged against eval's by that spread (2 standard errors), not a fixed tolerance
+    seeds: Annotated[int, Field(ge=1, le=64)] = 1
     # auto: on CUDA, a static KV cache with the target's and drafter's passes captured as CUDA graphs; on a CPU,
     # the growing cache (faster there). static: the static cache on any device, and a target it cannot hold is
     # refused instead of decoded on the growing cache (evaluate/static.py says which). dynamic: the growing cache.
@@ -340,6 +344,8 @@ class EvalConfig(Section):
 
     @model_validator(mode="after")
     def one_engine_at_a_url(self) -> EvalConfig:
+        self.refuse_unused("seeds", self.temperature > 0,
+                           "greedy decoding (temperature 0) repeats itself exactly under every seed")
         if self.engine_only and not self.engines:
             raise ValueError("eval.engine_only measures in the engines alone: name one (eval.engine vllm or llamacpp)")
         if self.engine_url is not None and len(self.engines) != 1:

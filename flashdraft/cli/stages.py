@@ -192,7 +192,11 @@ def evaluate(
     out: Annotated[Path | None, typer.Option(help="Output directory (report.json, report.md, plots).")] = None,
     target: Annotated[str | None, typer.Option(help="Target REF.")] = None,
     max_new_tokens: Annotated[int | None, typer.Option(help="Tokens to decode per prompt.")] = None,
-    temperature: Annotated[float | None, typer.Option(help="0 = greedy (checked lossless).")] = None,
+    temperature: Annotated[float | None, typer.Option(
+        help="0 = greedy (checked lossless); above, lossless sampling (in the engines too).")] = None,
+    seeds: Annotated[int | None, typer.Option(
+        help="temperature > 0: repeat the measurement over this many seeds (eval's and each engine's τ with their "
+             "spread).")] = None,
     max_prompts: Annotated[int | None, typer.Option(help="Prompts per --prompts set.")] = None,
     thinking: Annotated[str | None, typer.Option(
         help="on | off | on,off: enable_thinking in the chat template; on,off measures every prompt in both modes "
@@ -226,6 +230,7 @@ def evaluate(
         "eval.target": target,
         "eval.max_new_tokens": max_new_tokens,
         "eval.temperature": temperature,
+        "eval.seeds": seeds,
         "eval.max_prompts": max_prompts,
         "eval.thinking": thinking_modes(thinking),
         "eval.decoding": decoding,

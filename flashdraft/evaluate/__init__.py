@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -48,7 +49,7 @@ from flashdraft.artifact.ownership import commit_dir, hold_output
 from flashdraft.config import EvalConfig
 from flashdraft.errors import BadInput, ExpectedFailure
 from flashdraft.evaluate.decode import SpecDecoder, divergence, target_only, until_stop
-from flashdraft.evaluate.report import dspark_summary, markdown_report, plot, summarize
+from flashdraft.evaluate.report import dspark_summary, judged, markdown_report, over_seeds_spread, plot, summarize
 from flashdraft.evaluate.sets import load_eval_sets
 from flashdraft.evaluate.static import StaticSpecDecoder, cuda_graphs, static_unsupported
 from flashdraft.model.dspark import is_dspark
@@ -150,8 +151,6 @@ def check_engines(cfg: EvalConfig, drafter_dir: Path, log: Callable[[str], None]
     from flashdraft.evaluate.engines import check_engine
     from flashdraft.model.gguf_export import served_spec_type
 
-    if cfg.temperature > 0:
-        raise BadInput("eval.engine measures greedy acceptance: set eval.temperature 0")
     if served_spec_type(json.loads((drafter_dir / "config.json").read_text()), drafter_dir) == "draft-dspark" \
             and "vllm" in cfg.engines and cfg.engine_url is None and not torch.cuda.is_available():
         # vLLM 0.32 drafts DSpark on its V2 GPU model runner only; its CPU build's V1 runner refuses it at start
@@ -166,8 +165,9 @@ def eval_lineage(cfg: EvalConfig, drafter_dir: Path, target_path: str) -> Lineag
     """What a report measured: the drafter's content and the settings (how an engine is reached is not what is
     measured; without one, or measured by eval alone, the lineage is what it was before engines)."""
     engine_keys = {"engine", "engine_url", "engine_python", "engine_baseline", "engine_only"}
-    measured = cfg.model_dump(exclude=engine_keys if not cfg.engines else {"engine_url", "engine_python"}
-                              | ({"engine_only"} if not cfg.engine_only else set()))
+    # settings added later keep a report made before them current while they are at their defaults
+    later = {key for key, default in (("engine_only", False), ("seeds", 1)) if getattr(cfg, key) == default}
+    measured = cfg.model_dump(exclude=(engine_keys if not cfg.engines else {"engine_url", "engine_python"}) | later)
     return Lineage(inputs=[identity(drafter_dir)], config=sha256_json({"eval": measured, "target": target_path}))
 
 
@@ -271,26 +271,34 @@ def decode_prompts(cfg: EvalConfig, d: Decoding, prompts: list, decoded: list | 
     """Every prompt's turns, speculative and target-only (and prompt lookup), interleaved per prompt so that drift
     in machine load hits every method alike; `decoded`: the rows a committed report already holds."""
     per_prompt = list(decoded or [])
-    turns = sum(1 + len(p.follow_ups) for p in prompts)
+    turns = sum(1 + len(p.follow_ups) for p in prompts) * cfg.seeds
     # one line every FLASHDRAFT_PROGRESS_SECONDS in a log file (a bar on a terminal): turns done, τ so far, ETA
     with progress(console, "eval: turns decoded, τ so far {task.fields[tau]},", total=turns, unit="turns",
                   tau="–") as advance:
-        for item in (prompts if decoded is None else []):
-            messages, answer = list(item.prompt.messages), ""
-            for turn, follow_up in enumerate((None, *item.follow_ups), start=1):
-                if follow_up is not None:  # asked after the target's own answer to the turn before
-                    messages += [{"role": "assistant", "content": answer}, {"role": "user", "content": follow_up}]
-                ids = d.render(messages, item.prompt.thinking)
-                row = decode_turn(cfg, d, ids)
-                answer = d.tokenizer.decode(row.pop("token_ids"), skip_special_tokens=True)
-                per_prompt.append({"id": item.prompt.id, "dataset": item.dataset, "turn": turn,
-                                   "prompt_tokens": len(ids), "category": item.prompt.category or "all", **row})
-                advance(1, tau=f"{acceptance_length([n for row in per_prompt for n in row['accepted']]):.2f}")
+        for seed in (seeds_of(cfg) if decoded is None else []):  # every prompt once a seed (temperature > 0)
+            d.generator.manual_seed(seed)
+            for item in prompts:
+                messages, answer = list(item.prompt.messages), ""
+                for turn, follow_up in enumerate((None, *item.follow_ups), start=1):
+                    if follow_up is not None:  # asked after the target's own answer to the turn before
+                        messages += [{"role": "assistant", "content": answer}, {"role": "user", "content": follow_up}]
+                    ids = d.render(messages, item.prompt.thinking)
+                    row = decode_turn(cfg, d, ids)
+                    answer = d.tokenizer.decode(row.pop("token_ids"), skip_special_tokens=True)
+                    per_prompt.append({"id": item.prompt.id, "dataset": item.dataset, "turn": turn,
+                                       "prompt_tokens": len(ids), "category": item.prompt.category or "all",
+                                       **({"seed": seed} if cfg.seeds > 1 else {}), **row})
+                    advance(1, tau=f"{acceptance_length([n for row in per_prompt for n in row['accepted']]):.2f}")
     if not any(row["accepted"] for row in per_prompt):  # τ would be 0/0: not a measurement, not a success
         raise BadInput(f"eval: no turn reached a verify step (each of the {len(per_prompt)} ended at its first "
                        "token), so τ was not measured and nothing was written; give prompts the target answers "
                        "at more length")
     return per_prompt
+
+
+def seeds_of(cfg: EvalConfig) -> list[int]:
+    """The seeds a measurement is repeated over: seed, seed + 1, … (one, at temperature 0)."""
+    return [cfg.seed + i for i in range(cfg.seeds)]
 
 
 def decode_turn(cfg: EvalConfig, d: Decoding, ids: list[int]) -> dict[str, Any]:
@@ -335,7 +343,15 @@ def eval_report(cfg: EvalConfig, d: Decoding, per_prompt: list[dict], rejected: 
     report["target_dtype"] = str(d.target.model.dtype).removeprefix("torch.")
     report["decoding"] = d.machinery
     report["rejected"] = len(rejected)
+    if cfg.seeds > 1:  # τ at temperature > 0 is a random variable: each seed's, and their spread
+        by_seed = defaultdict(list)
+        for row in per_prompt:
+            by_seed[row["seed"]].extend(row["accepted"])
+        report["tau_over_seeds"] = over_seeds_spread({seed: acceptance_length(steps) if steps else None
+                                                      for seed, steps in by_seed.items()})
     stats = {key: report[key] for key in STATS}
+    if report.get("tau_over_seeds"):
+        stats["tau_over_seeds"] = report["tau_over_seeds"]
     stats["by_dataset"] = {name: {key: block[key] for key in ("acceptance_length", "speedup", "lossless", "prompts")}
                            for name, block in report["by_dataset"].items()}
     return report, stats
@@ -417,10 +433,14 @@ def engine_report(cfg: EvalConfig, name: str, prompts: list, render: Callable, t
     turns = [(p.dataset, list(p.prompt.messages), p.follow_ups, p.prompt.thinking) for p in prompts]
     longest = max(len(render(p.prompt.messages, p.prompt.thinking)) for p in prompts)
     log(f"eval: measuring τ in {name} on the same {len(prompts)} prompts")
+    sampled = cfg.temperature > 0
     engine = measure(name, turns, render, target_dir=Path(target_path), drafter_dir=drafter_dir,
                      block_size=block_size, max_new_tokens=cfg.max_new_tokens, longest_prompt=longest, logs=logs,
                      shown_log=out, url=cfg.engine_url, python=cfg.engine_python, baseline=cfg.engine_baseline,
-                     dspark=dspark, log=log)
+                     dspark=dspark, temperature=cfg.temperature,
+                     seeds=tuple(seeds_of(cfg)) if sampled else (None,), log=log)
+    if verdict := judged(engine.get("tau_over_seeds"), report.get("tau_over_seeds")):
+        engine["judged"] = verdict  # at temperature > 0 the two τ agree when within their spread, not to a constant
     tau = (engine["overall"] or {}).get("acceptance_length")
     engine["flashdraft_acceptance_length"] = report["acceptance_length"]
     if tau is None:

@@ -188,16 +188,18 @@ def parsed(model: type[BaseModel], data: bytes, where: str) -> Any:
                                   f"{first['msg']}") from None
 
 
-def complete(engine: str, endpoint: Endpoint, prompt_ids: list[int], max_new_tokens: int, positions: int
-             ) -> tuple[str, int, Counters | None]:
-    """One greedy completion of the prompt's token ids: (its text, its completion token count, and — llama.cpp — the
-    draft counts its answer carries: `timings.draft_n`, `draft_n_accepted`)."""
+def complete(engine: str, endpoint: Endpoint, prompt_ids: list[int], max_new_tokens: int, positions: int,
+             temperature: float = 0.0, seed: int | None = None) -> tuple[str, int, Counters | None]:
+    """One completion of the prompt's token ids — greedy, or sampled at `temperature` with the request's `seed` —:
+    (its text, its completion token count, and — llama.cpp — the draft counts its answer carries: `timings.draft_n`,
+    `draft_n_accepted`)."""
+    sampled = {"seed": seed} if temperature > 0 and seed is not None else {}
     if engine == "vllm":
         path, body = "/v1/completions", {"model": SERVED_NAME, "prompt": prompt_ids, "max_tokens": max_new_tokens,
-                                         "temperature": 0.0}
+                                         "temperature": temperature, **sampled}
     else:
-        path, body = "/completion", {"prompt": prompt_ids, "n_predict": max_new_tokens, "temperature": 0.0,
-                                     "cache_prompt": False}
+        path, body = "/completion", {"prompt": prompt_ids, "n_predict": max_new_tokens, "temperature": temperature,
+                                     "cache_prompt": False, **sampled}
     data = ask(endpoint, path, body, deadline_s=ANSWER_DEADLINE_S)
     if engine == "vllm":
         answer = parsed(VllmAnswer, data, f"{endpoint}{path}")
@@ -216,9 +218,10 @@ def complete(engine: str, endpoint: Endpoint, prompt_ids: list[int], max_new_tok
     return text, tokens, counted
 
 
-def decode_all(engine: str, endpoint: Endpoint, turns: Turns, render: Callable, max_new_tokens: int, positions: int
-               ) -> tuple[dict[str, dict[str, float]], float, int]:
-    """Every prompt's turns, greedily, one at a time: {dataset: the draft counts they made}, seconds, tokens."""
+def decode_all(engine: str, endpoint: Endpoint, turns: Turns, render: Callable, max_new_tokens: int, positions: int,
+               temperature: float = 0.0, seed: int | None = None) -> tuple[dict[str, dict[str, float]], float, int]:
+    """Every prompt's turns, one at a time (greedy, or sampled with `seed`): {dataset: the draft counts they made},
+    seconds, tokens."""
     by_set: dict[str, dict[str, float]] = {}
     seconds, tokens = 0.0, 0
     for dataset, messages, follow_ups, thinking in turns:
@@ -229,7 +232,8 @@ def decode_all(engine: str, endpoint: Endpoint, turns: Turns, render: Callable, 
             if turn:
                 messages.append({"role": "user", "content": follow_ups[turn - 1]})
             started = time.perf_counter()
-            text, n, counted = complete(engine, endpoint, render(messages, thinking), max_new_tokens, positions)
+            text, n, counted = complete(engine, endpoint, render(messages, thinking), max_new_tokens, positions,
+                                        temperature, seed)
             seconds += time.perf_counter() - started
             tokens += n
             if counted is not None:
@@ -244,6 +248,26 @@ def decode_all(engine: str, endpoint: Endpoint, turns: Turns, render: Callable, 
         for i, value in enumerate(made.by_position):
             row[f"position_{i}"] = row.get(f"position_{i}", 0.0) + value
     return by_set, seconds, tokens
+
+
+def over_seeds(engine: str, endpoint: Endpoint, turns: Turns, render: Callable, max_new_tokens: int, positions: int,
+               temperature: float, seeds: tuple[int | None, ...]) -> tuple[dict, float, int, dict[str, Any]]:
+    """decode_all once a seed: the draft counts pooled over the seeds, seconds, tokens, and (several seeds) each
+    seed's overall τ with their mean and standard deviation (`tau_over_seeds`)."""
+    from flashdraft.evaluate.report import over_seeds_spread
+
+    pooled: dict[str, dict[str, float]] = {}
+    seconds, tokens, taus = 0.0, 0, {}
+    for seed in seeds:
+        by_set, s, n = decode_all(engine, endpoint, turns, render, max_new_tokens, positions, temperature, seed)
+        seconds, tokens = seconds + s, tokens + n
+        taus[seed] = summary(by_set)["overall"]["acceptance_length"]
+        for dataset, row in by_set.items():
+            into = pooled.setdefault(dataset, {})
+            for key, value in row.items():
+                into[key] = into.get(key, 0.0) + value
+    spread = over_seeds_spread(taus) if len(seeds) > 1 else None
+    return pooled, seconds, tokens, ({"tau_over_seeds": spread} if spread else {})
 
 
 def summary(by_set: dict[str, dict[str, float]]) -> dict[str, Any]:
@@ -312,8 +336,8 @@ def llamacpp_command(server: Path, target_gguf: Path, drafter_gguf: Path | None,
 
 def measure(engine: str, turns: Turns, render: Callable, *, target_dir: Path, drafter_dir: Path, block_size: int,
             max_new_tokens: int, longest_prompt: int, logs: Path, shown_log: Path, url: str | None = None,
-            python: str | None = None, baseline: bool = True, dspark: bool = False,
-            log: Callable[[str], None] = print) -> dict[str, Any]:
+            python: str | None = None, baseline: bool = True, dspark: bool = False, temperature: float = 0.0,
+            seeds: tuple[int | None, ...] = (None,), log: Callable[[str], None] = print) -> dict[str, Any]:
     """The engine's τ, acceptance by position (vLLM counts it) and tokens/s on `turns`: on the server at `url`, or
     on one started here with the drafter (and, with `baseline`, once more without it, for tokens/s without
     speculation). llama.cpp serves GGUF files: the drafter and the target are converted first (export_gguf, in
@@ -321,9 +345,10 @@ def measure(engine: str, turns: Turns, render: Callable, *, target_dir: Path, dr
     assert engine in ENGINES
     positions = drafts_per_step(block_size, dspark)
     if url is not None:
-        by_set, seconds, tokens = decode_all(engine, Endpoint(url=url.rstrip("/")), turns, render, max_new_tokens,
-                                             positions)
-        return {"engine": engine, "url": url, **summary(by_set), "tokens_per_s": round(tokens / seconds, 2)}
+        by_set, seconds, tokens, by_seed = over_seeds(engine, Endpoint(url=url.rstrip("/")), turns, render,
+                                                      max_new_tokens, positions, temperature, seeds)
+        return {"engine": engine, "url": url, **summary(by_set), "tokens_per_s": round(tokens / seconds, 2),
+                **by_seed}
     program = engine_program(engine, python)  # checked by the caller before eval's own work (check_engine)
     context = longest_prompt + 2 * (max_new_tokens + 512) + 2 * block_size  # two turns and their answers
 
@@ -345,12 +370,14 @@ def measure(engine: str, turns: Turns, render: Callable, *, target_dir: Path, dr
     result: dict[str, Any] = {"engine": engine}
     name = f"engine-{engine}.log"
     with served(command(True), logs / name, log, shown_log / name) as endpoint:
-        by_set, seconds, tokens = decode_all(engine, endpoint, turns, render, max_new_tokens, positions)
-    result |= summary(by_set) | {"tokens_per_s": round(tokens / seconds, 2), "tokens": tokens}
-    if baseline:
+        by_set, seconds, tokens, by_seed = over_seeds(engine, endpoint, turns, render, max_new_tokens, positions,
+                                                      temperature, seeds)
+    result |= summary(by_set) | {"tokens_per_s": round(tokens / seconds, 2), "tokens": tokens} | by_seed
+    if baseline:  # tokens/s without the drafter: one pass over the prompts (the first seed's) is enough
         name = f"engine-{engine}-target-only.log"
         with served(command(False), logs / name, log, shown_log / name) as endpoint:
-            _, seconds, plain_tokens = decode_all(engine, endpoint, turns, render, max_new_tokens, positions)
+            _, seconds, plain_tokens = decode_all(engine, endpoint, turns, render, max_new_tokens, positions,
+                                                  temperature, seeds[0])
         result["tokens_per_s_without_drafter"] = round(plain_tokens / seconds, 2)
         result["speedup"] = round(result["tokens_per_s"] / result["tokens_per_s_without_drafter"], 3)
     return result

@@ -139,6 +139,20 @@ def markdown_report(report: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def seeds_line(engine: dict[str, Any], report: dict[str, Any]) -> str | None:
+    """Over several seeds: the engine's τ and eval's, each mean ± standard deviation, and the verdict."""
+    theirs, ours, verdict = engine.get("tau_over_seeds"), report.get("tau_over_seeds"), engine.get("judged")
+    if not theirs:
+        return None
+    line = f"over {theirs['n']} seeds: engine τ {theirs['mean']:.3f} ± {theirs['std']:.3f}"
+    if ours:
+        line += f", eval's {ours['mean']:.3f} ± {ours['std']:.3f}"
+    if verdict:
+        line += (f"; difference {verdict['difference']:+.3f}, " + ("within" if verdict["agrees"] else "**beyond**")
+                 + f" 2 standard errors ({verdict['bound']:.3f})")
+    return line
+
+
 def thinking_words(setting) -> str:
     """`on`, `off`, or `on and off` (a row per set and mode)."""
     modes = [setting] if isinstance(setting, bool) else list(dict.fromkeys(setting))
@@ -179,9 +193,13 @@ def engine_table(engine: dict[str, Any], report: dict[str, Any]) -> list[str]:
     """An engine's τ beside eval's, per dataset, and its tokens/s with and without the drafter."""
     with_s, without_s = engine.get("tokens_per_s"), engine.get("tokens_per_s_without_drafter")
     pace = f"{with_s:g} tokens/s with the drafter" + (f", {without_s:g} without" if without_s else "")
-    lines = [f"τ in {engine['engine']} (its own counters: 1 + accepted / drafts), greedy, the same prompts — {pace}",
-             "", "| dataset | engine τ | eval τ | engine acceptance by position 1…K−1 | drafts |",
-             "|---|---:|---:|---|---:|"]
+    temperature = report["config"]["temperature"]
+    how = "greedy" if not temperature else f"temperature {temperature:g}"
+    lines = [f"τ in {engine['engine']} (its own counters: 1 + accepted / drafts), {how}, the same prompts — {pace}"]
+    if spread_line := seeds_line(engine, report):
+        lines.append(spread_line)
+    lines += ["", "| dataset | engine τ | eval τ | engine acceptance by position 1…K−1 | drafts |",
+              "|---|---:|---:|---|---:|"]
     rows = [(name, block, report["by_dataset"][name]["acceptance_length"])
             for name, block in engine["by_dataset"].items()]
     if len(rows) > 1:
@@ -193,6 +211,27 @@ def engine_table(engine: dict[str, Any], report: dict[str, Any]) -> list[str]:
         positions = " ".join(f"{x:.2f}" for x in block["acceptance_by_position"] if x is not None) or "—"
         lines.append(f"| {name} | {tau} | {ours} | {positions} | {block['drafts']} |")
     return lines
+
+
+def over_seeds_spread(taus: dict) -> dict[str, Any] | None:
+    """τ measured once a seed (temperature > 0: a random variable): each seed's, their mean, standard deviation
+    and standard error of the mean."""
+    values = {str(seed): round(tau, 4) for seed, tau in taus.items() if tau is not None}
+    if len(values) < 2:
+        return None
+    mean, std = statistics.fmean(values.values()), statistics.stdev(values.values())
+    return {"by_seed": values, "mean": round(mean, 4), "std": round(std, 4),
+            "standard_error": round(std / len(values) ** 0.5, 4), "n": len(values)}
+
+
+def judged(engine: dict[str, Any] | None, ours: dict[str, Any] | None) -> dict[str, Any] | None:
+    """An engine's τ against eval's at temperature > 0, by their spreads over the seeds: the difference of the means
+    and whether it is within 2 combined standard errors (where either has no spread: not judged)."""
+    if not engine or not ours:
+        return None
+    bound = 2 * (engine["standard_error"] ** 2 + ours["standard_error"] ** 2) ** 0.5
+    difference = engine["mean"] - ours["mean"]
+    return {"difference": round(difference, 4), "bound": round(bound, 4), "agrees": abs(difference) <= bound}
 
 
 def spread(ratios: list[float]) -> dict[str, float] | None:

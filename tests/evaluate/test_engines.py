@@ -285,3 +285,35 @@ def test_the_drafter_alone_serves_beside_a_quantized_target(cli, tmp_path, smoll
     print("τ beside the f32 target and the Q8_0 one:", tau)
     # (the agreeing drafter is accepted a little, as in eval: τ 1.05 here; a misread pair accepts nothing)
     assert tau["f32"] > 1.0 and tau["q8_0"] > 1.0 and abs(tau["q8_0"] - tau["f32"]) < 0.1, tau
+
+
+@pytest.mark.slow
+@pytest.mark.skipif("vllm" not in INSTALLED, reason="vLLM's CPU build is not installed: run scripts/engines.sh")
+def test_at_temperature_one_the_engines_tau_comes_with_its_spread_over_seeds(tmp_path, smollm2_dir,
+                                                                              agreeing_export):
+    """`eval --engine vllm --temperature 1.0 --seeds 2`: eval's τ (lossless sampling) and vLLM's, each over the two
+    seeds with their mean and standard deviation, and the difference judged against their spread."""
+    from flashdraft.config import EvalConfig
+    from flashdraft.evaluate import run
+
+    drafter_dir, prompts = agreeing_export
+    cfg = EvalConfig(prompts=str(prompts), target=smollm2_dir, max_new_tokens=24, engine="vllm",
+                     engine_baseline=False, temperature=1.0, seeds=2)
+    stats = run(cfg, drafter_dir, tmp_path / "eval", log=print)
+    ours, served = stats["tau_over_seeds"], stats["engines"]["vllm"]
+    assert ours["n"] == 2 and sorted(ours["by_seed"]) == ["0", "1"] and ours["std"] >= 0
+    assert served["tau_over_seeds"]["n"] == 2 and served["overall"]["acceptance_length"] > 1.0
+    verdict = served["judged"]
+    assert verdict["bound"] >= 0 and verdict["agrees"] == (abs(verdict["difference"]) <= verdict["bound"])
+    report = (tmp_path / "eval" / "report.md").read_text()
+    assert "temperature 1" in report and "over 2 seeds: engine τ" in report and "2 standard errors" in report
+    rows = json.loads((tmp_path / "eval" / "report.json").read_text())["prompts"]
+    assert sorted({row["seed"] for row in rows}) == [0, 1] and len(rows) == 2 * len(PROMPTS)
+
+
+def test_seeds_mean_nothing_to_greedy_decoding():
+    from flashdraft.config import EvalConfig
+
+    with pytest.raises(ValueError, match="seeds does nothing here: greedy decoding"):
+        EvalConfig(seeds=3)
+    assert EvalConfig(seeds=3, temperature=0.7).seeds == 3
