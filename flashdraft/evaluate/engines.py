@@ -228,20 +228,22 @@ def decode_all(engine: str, endpoint: Endpoint, turns: Turns, render: Callable, 
         messages = list(messages)
         before = read_counters(endpoint, positions) if engine == "vllm" else None
         made = Counters(0.0, 0.0, 0.0, ())
+        row = by_set.setdefault(dataset, {"drafts": 0.0, "draft_tokens": 0.0, "accepted": 0.0, "seconds": 0.0,
+                                          "tokens": 0.0})
         for turn in range(1 + len(follow_ups)):
             if turn:
                 messages.append({"role": "user", "content": follow_ups[turn - 1]})
             started = time.perf_counter()
             text, n, counted = complete(engine, endpoint, render(messages, thinking), max_new_tokens, positions,
                                         temperature, seed)
-            seconds += time.perf_counter() - started
-            tokens += n
+            took = time.perf_counter() - started
+            seconds, tokens = seconds + took, tokens + n
+            row["seconds"], row["tokens"] = row["seconds"] + took, row["tokens"] + n
             if counted is not None:
                 made = made.plus(counted)
             messages.append({"role": "assistant", "content": text})
         if before is not None:
             made = checked(read_counters(endpoint, positions).minus(before), positions)
-        row = by_set.setdefault(dataset, {"drafts": 0.0, "draft_tokens": 0.0, "accepted": 0.0})
         row["drafts"] += made.drafts
         row["draft_tokens"] += made.draft_tokens
         row["accepted"] += made.accepted
@@ -279,7 +281,8 @@ def summary(by_set: dict[str, dict[str, float]]) -> dict[str, Any]:
                 "drafts": int(drafts), "draft_tokens": int(row["draft_tokens"]),
                 "accepted_tokens": int(row["accepted"]),
                 "acceptance_by_position": [round(row[f"position_{i}"] / drafts, 4) if drafts else None
-                                           for i in positions]}
+                                           for i in positions],
+                "tokens_per_s": round(row["tokens"] / row["seconds"], 2) if row.get("seconds") else None}
 
     total: dict[str, float] = {}
     for row in by_set.values():
@@ -376,8 +379,16 @@ def measure(engine: str, turns: Turns, render: Callable, *, target_dir: Path, dr
     if baseline:  # tokens/s without the drafter: one pass over the prompts (the first seed's) is enough
         name = f"engine-{engine}-target-only.log"
         with served(command(False), logs / name, log, shown_log / name) as endpoint:
-            _, seconds, plain_tokens = decode_all(engine, endpoint, turns, render, max_new_tokens, positions,
-                                                  temperature, seeds[0])
+            plain, seconds, plain_tokens = decode_all(engine, endpoint, turns, render, max_new_tokens, positions,
+                                                      temperature, seeds[0])
+        for dataset, row in plain.items():  # speedup per set, beside its τ: the two diverge (ModelOpt #2342)
+            block = result["by_dataset"][dataset]
+            without = row["tokens"] / row["seconds"] if row["seconds"] else None
+            block["tokens_per_s_without_drafter"] = round(without, 2) if without else None
+            with_s = block["tokens_per_s"]
+            block["speedup"] = round(with_s / without, 3) if without and with_s else None
         result["tokens_per_s_without_drafter"] = round(plain_tokens / seconds, 2)
         result["speedup"] = round(result["tokens_per_s"] / result["tokens_per_s_without_drafter"], 3)
+        if result["overall"]:
+            result["overall"]["speedup"] = result["speedup"]
     return result

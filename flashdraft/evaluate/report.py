@@ -193,13 +193,13 @@ def engine_table(engine: dict[str, Any], report: dict[str, Any]) -> list[str]:
     """An engine's τ beside eval's, per dataset, and its tokens/s with and without the drafter."""
     with_s, without_s = engine.get("tokens_per_s"), engine.get("tokens_per_s_without_drafter")
     pace = f"{with_s:g} tokens/s with the drafter" + (f", {without_s:g} without" if without_s else "")
-    temperature = report["config"]["temperature"]
+    temperature = (report.get("config") or {}).get("temperature")
     how = "greedy" if not temperature else f"temperature {temperature:g}"
     lines = [f"τ in {engine['engine']} (its own counters: 1 + accepted / drafts), {how}, the same prompts — {pace}"]
     if spread_line := seeds_line(engine, report):
         lines.append(spread_line)
-    lines += ["", "| dataset | engine τ | eval τ | engine acceptance by position 1…K−1 | drafts |",
-              "|---|---:|---:|---|---:|"]
+    lines += ["", "| dataset | engine τ | eval τ | engine acceptance by position 1…K−1 | drafts | engine speedup |",
+              "|---|---:|---:|---|---:|---:|"]
     rows = [(name, block, report["by_dataset"][name]["acceptance_length"])
             for name, block in engine["by_dataset"].items()]
     if len(rows) > 1:
@@ -209,7 +209,8 @@ def engine_table(engine: dict[str, Any], report: dict[str, Any]) -> list[str]:
         ours = "—" if ours is None else f"{ours:.2f}"  # engine only: eval measured nothing to set beside it
         # llama.cpp counts no acceptance by position: a dash, not an empty cell
         positions = " ".join(f"{x:.2f}" for x in block["acceptance_by_position"] if x is not None) or "—"
-        lines.append(f"| {name} | {tau} | {ours} | {positions} | {block['drafts']} |")
+        speedup = f"{block['speedup']:.2f}×" if block.get("speedup") else "—"  # without a baseline run: none
+        lines.append(f"| {name} | {tau} | {ours} | {positions} | {block['drafts']} | {speedup} |")
     return lines
 
 

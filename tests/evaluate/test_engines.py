@@ -129,6 +129,8 @@ def test_the_engines_serve_the_export_and_accept_what_eval_accepts(tmp_path, smo
         assert f"τ in {engine}" in report and f"{served['acceptance_length']:.2f}" in report
         pace = stats["engines"][engine]
         assert pace["tokens_per_s"] > 0 and pace["tokens_per_s_without_drafter"] > 0
+        per_set = json.loads((out / "report.json").read_text())["engines"][engine]["by_dataset"]
+        assert all(block["speedup"] > 0 for block in per_set.values())  # speedup beside τ, per set
     if "vllm" in INSTALLED:
         assert len(stats["engines"]["vllm"]["overall"]["acceptance_by_position"]) == 3  # block 4: three drafted
 
@@ -241,7 +243,7 @@ def test_an_engine_without_counts_by_position_shows_a_dash_not_an_empty_cell():
     block = {"acceptance_length": 1.5, "acceptance_by_position": [], "drafts": 12}
     lines = engine_table({"engine": "llamacpp", "tokens_per_s": 10.0, "by_dataset": {"chat": block}},
                          {"by_dataset": {"chat": {"acceptance_length": 1.6}}, "acceptance_length": 1.6})
-    assert lines[-1] == "| chat | 1.50 | 1.60 | — | 12 |"
+    assert lines[-1] == "| chat | 1.50 | 1.60 | — | 12 | — |"  # no baseline run: no speedup either
 
 
 @pytest.mark.slow
