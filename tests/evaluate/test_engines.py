@@ -146,7 +146,7 @@ def test_the_gguf_export_is_a_verified_artifact_with_the_draft_vocabulary_as_tar
     out = tmp_path / "gguf"
     done = cli("export", "--format", "gguf", "--drafter", str(drafter_dir), "--target", smollm2_dir, "--out",
                str(out), check=True)
-    hint = (done.stdout + done.stderr).split("serve them with ")[1]  # a command that can be copied: the server
+    hint = (done.stdout + done.stderr).split("serve with ")[1]  # a command that can be copied: the server
     assert hint.split()[0].endswith("/llama-server") and "--spec-draft-n-max 3" in hint  # block 4: 3 drafts a step
     assert cli("verify", str(out)).returncode == 0
     again = cli("export", "--format", "gguf", "--drafter", str(drafter_dir), "--target", smollm2_dir, "--out",
