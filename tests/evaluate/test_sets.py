@@ -119,20 +119,25 @@ def test_a_hub_that_does_not_answer_is_one_line_not_a_minute_of_retries(cli, tmp
     assert "127.0.0.1 unreachable" in lines[0] and "--prompts gsm8k=PATH" in lines[0]
 
 
-def test_eval_reports_a_tau_table_per_dataset(cli, tmp_path, tiny_model_dir):
-    """One `flashdraft eval` over two standard sets (one of them two-turn) and a built-in one: a row per set and
-    one for all in report.md (printed too) and report.json; mt-bench's second turn is asked after the first
-    answer; the decoding machinery is named."""
+def random_drafter(target_dir: str, out: Path) -> Path:
+    """A one-layer, block-4 drafter of random weights for the target: τ near 1, lossless all the same."""
     import torch
 
     from flashdraft.model.drafter import DFlashDrafter, draft_config
     from flashdraft.model.export import save_drafter
     from flashdraft.model.target import Target
 
-    target = Target(tiny_model_dir, "cpu", lambda s: None)
+    target = Target(target_dir, "cpu", lambda s: None)
     torch.manual_seed(0)
-    save_drafter(DFlashDrafter(draft_config(target.config, num_layers=1, block_size=4, mask_token_id=0)),
-                 tmp_path / "drafter")
+    save_drafter(DFlashDrafter(draft_config(target.config, num_layers=1, block_size=4, mask_token_id=0)), out)
+    return out
+
+
+def test_eval_reports_a_tau_table_per_dataset(cli, tmp_path, tiny_model_dir):
+    """One `flashdraft eval` over two standard sets (one of them two-turn) and a built-in one: a row per set and
+    one for all in report.md (printed too) and report.json; mt-bench's second turn is asked after the first
+    answer; the decoding machinery is named."""
+    random_drafter(tiny_model_dir, tmp_path / "drafter")
     out = tmp_path / "eval"
     result = cli("eval", "--drafter", str(tmp_path / "drafter"), "--target", tiny_model_dir, "--out", str(out),
                  "--prompts", f"gsm8k={ASSETS / 'gsm8k.jsonl'}", "--prompts", f"mt-bench={ASSETS / 'mt-bench.jsonl'}",
@@ -164,16 +169,7 @@ def test_speed_bench_reports_tau_per_category_and_by_input_length(cli, tmp_path,
     qualitative config with a row per category in report.md, a two-turn record asked after the target's answer,
     a placeholder record of the hub copy rejected with the reason; two throughput configs with their mean input
     tokens and a plot of τ against it; lossless throughout."""
-    import torch
-
-    from flashdraft.model.drafter import DFlashDrafter, draft_config
-    from flashdraft.model.export import save_drafter
-    from flashdraft.model.target import Target
-
-    target = Target(tiny_model_dir, "cpu", lambda s: None)
-    torch.manual_seed(0)
-    save_drafter(DFlashDrafter(draft_config(target.config, num_layers=1, block_size=4, mask_token_id=0)),
-                 tmp_path / "drafter")
+    random_drafter(tiny_model_dir, tmp_path / "drafter")
     out = tmp_path / "eval"
     result = cli("eval", "--drafter", str(tmp_path / "drafter"), "--target", tiny_model_dir, "--out", str(out),
                  "--prompts", f"speed-bench={ASSETS / 'speed-bench-qualitative.jsonl'}",
@@ -204,13 +200,9 @@ def test_both_thinking_modes_are_measured_in_one_run_a_row_each(cli, tmp_path, t
     think block with thinking off), a row per set and mode; `run` follows generate's mode unless eval sets one."""
     import shutil
 
-    import torch
     from transformers import AutoTokenizer
 
     from flashdraft.config import PipelineConfig
-    from flashdraft.model.drafter import DFlashDrafter, draft_config
-    from flashdraft.model.export import save_drafter
-    from flashdraft.model.target import Target
     from flashdraft.pipeline import eval_settings
 
     model = tmp_path / "model"
@@ -218,10 +210,7 @@ def test_both_thinking_modes_are_measured_in_one_run_a_row_each(cli, tmp_path, t
     tokenizer = AutoTokenizer.from_pretrained(model)
     tokenizer.chat_template = qwen3_5_template
     tokenizer.save_pretrained(model)
-    target = Target(str(model), "cpu", lambda s: None)
-    torch.manual_seed(0)
-    save_drafter(DFlashDrafter(draft_config(target.config, num_layers=1, block_size=4, mask_token_id=0)),
-                 tmp_path / "drafter")
+    random_drafter(str(model), tmp_path / "drafter")
     out = tmp_path / "eval"
     cli("eval", "--drafter", str(tmp_path / "drafter"), "--target", str(model), "--out", str(out), "--prompts",
         f"gsm8k={ASSETS / 'gsm8k.jsonl'}", "--max-new-tokens", "6", "--thinking", "on,off", check=True)
