@@ -267,3 +267,9 @@ def test_settings_that_do_not_go_together_are_named_by_their_flags(cli, tmp_path
     line = proc.stderr.strip().splitlines()[-1]
     assert "train settings (--features offline, --architecture dspark): architecture: dspark's L1" in line
     assert "Value error" not in line and "<defaults>" not in line
+
+
+def test_a_thinking_mode_it_does_not_know_is_one_line_naming_the_flag(cli, tmp_path):
+    proc = cli("eval", "--drafter", str(tmp_path), "--out", str(tmp_path / "e"), "--thinking", "maybe")
+    assert proc.returncode == 1
+    assert proc.stderr.strip().splitlines() == ["error: --thinking maybe: on, off, or on,off (both modes, a row each)"]

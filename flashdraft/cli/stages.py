@@ -248,12 +248,15 @@ def evaluate(
         emit_json({"path": str(out), **stats})
 
 
-def thinking_modes(flag: str | None) -> bool | list | str | None:
-    """`--thinking on`, `off` or `on,off` → the config's value (a word it does not know goes on to be refused)."""
+def thinking_modes(flag: str | None) -> bool | list | None:
+    """`--thinking on`, `off` or `on,off` → the config's value; any other word is one line naming the flag."""
     if flag is None:
         return None
     words = {"on": True, "off": False}
-    modes = [words.get(part.strip(), part.strip()) for part in flag.split(",")]
+    parts = [part.strip() for part in flag.split(",")]
+    if not 1 <= len(parts) <= 2 or any(part not in words for part in parts):
+        fail(f"--thinking {flag}: on, off, or on,off (both modes, a row each)")
+    modes = [words[part] for part in parts]
     return modes[0] if len(modes) == 1 else modes
 
 
