@@ -428,9 +428,10 @@ def engine_report(cfg: EvalConfig, name: str, prompts: list, render: Callable, t
                   log: Callable[[str], None], dspark: bool = False) -> dict[str, Any]:
     """The engine's τ on the same prompts and token budget (greedy; a later turn after the engine's own answer),
     beside eval's own, per dataset (`passes` None: engine only, no eval measurement to compare)."""
-    from flashdraft.evaluate.engines import measure
+    from flashdraft.evaluate.engines import Conversation, measure
 
-    turns = [(p.dataset, list(p.prompt.messages), p.follow_ups, p.prompt.thinking) for p in prompts]
+    turns = [Conversation(p.dataset, list(p.prompt.messages), p.follow_ups, p.prompt.thinking,
+                          p.prompt.category or "all") for p in prompts]
     longest = max(len(render(p.prompt.messages, p.prompt.thinking)) for p in prompts)
     log(f"eval: measuring τ in {name} on the same {len(prompts)} prompts")
     sampled = cfg.temperature > 0

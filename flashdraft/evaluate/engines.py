@@ -28,7 +28,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from pydantic import BaseModel, Field, ValidationError
 
@@ -36,8 +36,23 @@ from flashdraft.layout import cache_dir, engines_dir
 from flashdraft.served import SERVED_NAME, Endpoint, EngineFailed, ask, check_installed, served
 
 ENGINES = ("vllm", "llamacpp")
-# (dataset, first turn's messages, later user turns, thinking mode): rendered by render(messages, thinking)
-Turns = list[tuple[str, list[dict], tuple[str, ...], bool]]
+
+
+class Conversation(NamedTuple):
+    """One prompt as an engine is asked it: its first turn's messages and later user turns, in a thinking mode
+    (rendered by render(messages, thinking)), counted under its set and the set's category."""
+
+    dataset: str
+    messages: list[dict]
+    follow_ups: tuple[str, ...]
+    thinking: bool
+    category: str = "all"
+
+
+Turns = list[Conversation]
+# draft counts by (set, category): a set's τ is its categories' counts added, as eval adds its prompts'
+Cells = dict[tuple[str, str], dict[str, float]]
+
 ANSWER_DEADLINE_S = 600  # one completion on a 2-core CPU; on a GPU seconds
 
 
@@ -219,23 +234,24 @@ def complete(engine: str, endpoint: Endpoint, prompt_ids: list[int], max_new_tok
 
 
 def decode_all(engine: str, endpoint: Endpoint, turns: Turns, render: Callable, max_new_tokens: int, positions: int,
-               temperature: float = 0.0, seed: int | None = None) -> tuple[dict[str, dict[str, float]], float, int]:
-    """Every prompt's turns, one at a time (greedy, or sampled with `seed`): {dataset: the draft counts they made},
-    seconds, tokens."""
-    by_set: dict[str, dict[str, float]] = {}
+               temperature: float = 0.0, seed: int | None = None) -> tuple[Cells, float, int]:
+    """Every prompt's turns, one at a time (greedy, or sampled with `seed`): {(set, category): the draft counts
+    they made}, seconds, tokens. vLLM's counters are read before and after each prompt, so a prompt's counts are
+    its own: that is what lets them be added up by category as well as by set."""
+    by_cell: Cells = {}
     seconds, tokens = 0.0, 0
-    for dataset, messages, follow_ups, thinking in turns:
-        messages = list(messages)
+    for conversation in turns:
+        messages = list(conversation.messages)
         before = read_counters(endpoint, positions) if engine == "vllm" else None
         made = Counters(0.0, 0.0, 0.0, ())
-        row = by_set.setdefault(dataset, {"drafts": 0.0, "draft_tokens": 0.0, "accepted": 0.0, "seconds": 0.0,
-                                          "tokens": 0.0})
-        for turn in range(1 + len(follow_ups)):
+        row = by_cell.setdefault((conversation.dataset, conversation.category),
+                                 {"drafts": 0.0, "draft_tokens": 0.0, "accepted": 0.0, "seconds": 0.0, "tokens": 0.0})
+        for turn in range(1 + len(conversation.follow_ups)):
             if turn:
-                messages.append({"role": "user", "content": follow_ups[turn - 1]})
+                messages.append({"role": "user", "content": conversation.follow_ups[turn - 1]})
             started = time.perf_counter()
-            text, n, counted = complete(engine, endpoint, render(messages, thinking), max_new_tokens, positions,
-                                        temperature, seed)
+            text, n, counted = complete(engine, endpoint, render(messages, conversation.thinking), max_new_tokens,
+                                        positions, temperature, seed)
             took = time.perf_counter() - started
             seconds, tokens = seconds + took, tokens + n
             row["seconds"], row["tokens"] = row["seconds"] + took, row["tokens"] + n
@@ -249,31 +265,39 @@ def decode_all(engine: str, endpoint: Endpoint, turns: Turns, render: Callable, 
         row["accepted"] += made.accepted
         for i, value in enumerate(made.by_position):
             row[f"position_{i}"] = row.get(f"position_{i}", 0.0) + value
-    return by_set, seconds, tokens
+    return by_cell, seconds, tokens
+
+
+def added(rows) -> dict[str, float]:
+    """Counts (and seconds, tokens) summed over rows."""
+    total: dict[str, float] = {}
+    for row in rows:
+        for key, value in row.items():
+            total[key] = total.get(key, 0.0) + value
+    return total
 
 
 def over_seeds(engine: str, endpoint: Endpoint, turns: Turns, render: Callable, max_new_tokens: int, positions: int,
-               temperature: float, seeds: tuple[int | None, ...]) -> tuple[dict, float, int, dict[str, Any]]:
+               temperature: float, seeds: tuple[int | None, ...]) -> tuple[Cells, float, int, dict[str, Any]]:
     """decode_all once a seed: the draft counts pooled over the seeds, seconds, tokens, and (several seeds) each
     seed's overall τ with their mean and standard deviation (`tau_over_seeds`)."""
     from flashdraft.evaluate.report import over_seeds_spread
 
-    pooled: dict[str, dict[str, float]] = {}
+    pooled: Cells = {}
     seconds, tokens, taus = 0.0, 0, {}
     for seed in seeds:
-        by_set, s, n = decode_all(engine, endpoint, turns, render, max_new_tokens, positions, temperature, seed)
+        by_cell, s, n = decode_all(engine, endpoint, turns, render, max_new_tokens, positions, temperature, seed)
         seconds, tokens = seconds + s, tokens + n
-        taus[seed] = summary(by_set)["overall"]["acceptance_length"]
-        for dataset, row in by_set.items():
-            into = pooled.setdefault(dataset, {})
-            for key, value in row.items():
-                into[key] = into.get(key, 0.0) + value
+        taus[seed] = summary(by_cell)["overall"]["acceptance_length"]
+        for cell, row in by_cell.items():
+            pooled[cell] = added([pooled.get(cell, {}), row])
     spread = over_seeds_spread(taus) if len(seeds) > 1 else None
     return pooled, seconds, tokens, ({"tau_over_seeds": spread} if spread else {})
 
 
-def summary(by_set: dict[str, dict[str, float]]) -> dict[str, Any]:
-    """τ (1 + accepted / drafts, the engine's own definition) and acceptance by position, per set and overall."""
+def summary(by_cell: Cells) -> dict[str, Any]:
+    """τ (1 + accepted / drafts, the engine's own definition) and acceptance by position: overall, per set, and per
+    category within a set that has several (SPEED-Bench's 11, MT-Bench's 8) — as eval's own report groups them."""
     def one(row: dict[str, float]) -> dict[str, Any]:
         positions = sorted(int(k.split("_")[1]) for k in row if k.startswith("position_"))
         drafts = row["drafts"]
@@ -284,11 +308,30 @@ def summary(by_set: dict[str, dict[str, float]]) -> dict[str, Any]:
                                            for i in positions],
                 "tokens_per_s": round(row["tokens"] / row["seconds"], 2) if row.get("seconds") else None}
 
-    total: dict[str, float] = {}
-    for row in by_set.values():
-        for key, value in row.items():
-            total[key] = total.get(key, 0.0) + value
-    return {"overall": one(total) if by_set else None, "by_dataset": {name: one(row) for name, row in by_set.items()}}
+    sets: dict[str, dict[str, dict[str, float]]] = {}
+    for (dataset, category), row in by_cell.items():
+        sets.setdefault(dataset, {})[category] = row
+    by_dataset = {}
+    for dataset, categories in sets.items():
+        by_dataset[dataset] = one(added(categories.values()))
+        if len(categories) > 1:
+            by_dataset[dataset]["by_category"] = {c: one(row) for c, row in sorted(categories.items())}
+    return {"overall": one(added(by_cell.values())) if by_cell else None, "by_dataset": by_dataset}
+
+
+def speedups(result: dict[str, Any], plain: Cells) -> None:
+    """Speedup beside τ, per set and per category (the two diverge: ModelOpt #2342): tokens/s with the drafter
+    (in `result`) over tokens/s of the same prompts without it (`plain`)."""
+    def beside(block: dict[str, Any], row: dict[str, float]) -> None:
+        without = row["tokens"] / row["seconds"] if row["seconds"] else None
+        block["tokens_per_s_without_drafter"] = round(without, 2) if without else None
+        with_s = block["tokens_per_s"]
+        block["speedup"] = round(with_s / without, 3) if without and with_s else None
+
+    for dataset, block in result["by_dataset"].items():
+        beside(block, added(row for (name, _), row in plain.items() if name == dataset))
+        for category, inner in block.get("by_category", {}).items():
+            beside(inner, plain[(dataset, category)])
 
 
 def engine_program(engine: str, python: str | None) -> Path:
@@ -381,12 +424,7 @@ def measure(engine: str, turns: Turns, render: Callable, *, target_dir: Path, dr
         with served(command(False), logs / name, log, shown_log / name) as endpoint:
             plain, seconds, plain_tokens = decode_all(engine, endpoint, turns, render, max_new_tokens, positions,
                                                       temperature, seeds[0])
-        for dataset, row in plain.items():  # speedup per set, beside its τ: the two diverge (ModelOpt #2342)
-            block = result["by_dataset"][dataset]
-            without = row["tokens"] / row["seconds"] if row["seconds"] else None
-            block["tokens_per_s_without_drafter"] = round(without, 2) if without else None
-            with_s = block["tokens_per_s"]
-            block["speedup"] = round(with_s / without, 3) if without and with_s else None
+        speedups(result, plain)
         result["tokens_per_s_without_drafter"] = round(plain_tokens / seconds, 2)
         result["speedup"] = round(result["tokens_per_s"] / result["tokens_per_s_without_drafter"], 3)
         if result["overall"]:

@@ -198,20 +198,29 @@ def engine_table(engine: dict[str, Any], report: dict[str, Any]) -> list[str]:
     lines = [f"τ in {engine['engine']} (its own counters: 1 + accepted / drafts), {how}, the same prompts — {pace}"]
     if spread_line := seeds_line(engine, report):
         lines.append(spread_line)
-    lines += ["", "| dataset | engine τ | eval τ | engine acceptance by position 1…K−1 | drafts | engine speedup |",
+    header = ["| {} | engine τ | eval τ | engine acceptance by position 1…K−1 | drafts | engine speedup |",
               "|---|---:|---:|---|---:|---:|"]
     rows = [(name, block, report["by_dataset"][name]["acceptance_length"])
             for name, block in engine["by_dataset"].items()]
     if len(rows) > 1:
         rows.append(("**all**", engine["overall"], report["acceptance_length"]))
-    for name, block, ours in rows:
-        tau = f"{block['acceptance_length']:.2f}" if block["acceptance_length"] is not None else "—"
-        ours = "—" if ours is None else f"{ours:.2f}"  # engine only: eval measured nothing to set beside it
-        # llama.cpp counts no acceptance by position: a dash, not an empty cell
-        positions = " ".join(f"{x:.2f}" for x in block["acceptance_by_position"] if x is not None) or "—"
-        speedup = f"{block['speedup']:.2f}×" if block.get("speedup") else "—"  # without a baseline run: none
-        lines.append(f"| {name} | {tau} | {ours} | {positions} | {block['drafts']} | {speedup} |")
+    lines += ["", header[0].format("dataset"), header[1], *(engine_row(*row) for row in rows)]
+    for name, block in engine["by_dataset"].items():  # a set's categories, as eval's own table gives them
+        if "by_category" in block:
+            ours = report["by_dataset"][name].get("by_category", {})
+            lines += ["", f"τ in {engine['engine']} by category — {name}", "", header[0].format("category"), header[1]]
+            lines += [engine_row(category, inner, (ours.get(category) or {}).get("acceptance_length"))
+                      for category, inner in block["by_category"].items()]
     return lines
+
+
+def engine_row(name: str, block: dict[str, Any], ours: float | None) -> str:
+    tau = f"{block['acceptance_length']:.2f}" if block["acceptance_length"] is not None else "—"
+    ours_cell = "—" if ours is None else f"{ours:.2f}"  # engine only: eval measured nothing to set beside it
+    # llama.cpp counts no acceptance by position: a dash, not an empty cell
+    positions = " ".join(f"{x:.2f}" for x in block["acceptance_by_position"] if x is not None) or "—"
+    speedup = f"{block['speedup']:.2f}×" if block.get("speedup") else "—"  # without a baseline run: none
+    return f"| {name} | {tau} | {ours_cell} | {positions} | {block['drafts']} | {speedup} |"
 
 
 def over_seeds_spread(taus: dict) -> dict[str, Any] | None:

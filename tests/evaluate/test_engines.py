@@ -33,7 +33,7 @@ def test_the_engines_counters_make_its_own_mean_acceptance_length():
     made = counters.minus(parse_metrics("", 3))
     row = {"drafts": made.drafts, "draft_tokens": made.draft_tokens, "accepted": made.accepted, "tokens": 0}
     row |= {f"position_{i}": v for i, v in enumerate(made.by_position)}
-    overall = summary({"set": row})["overall"]
+    overall = summary({("set", "all"): row})["overall"]
     assert overall["acceptance_length"] == 3.0  # 1 + 4 / 2: vLLM's definition, bonus token included
     assert overall["acceptance_by_position"] == [1.0, 1.0, 0.0]
 
@@ -109,18 +109,26 @@ INSTALLED = [engine for engine in ("vllm", "llamacpp") if engine_program(engine,
 def test_the_engines_serve_the_export_and_accept_what_eval_accepts(tmp_path, smollm2_dir, agreeing_export):
     """One eval, every installed engine in its report (llama.cpp through `export --format gguf`: its converter,
     with the draft vocabulary's d2t it cannot map by itself). Each engine's accepted drafts are eval's, near enough
-    to tell a misread export (which accepts next to nothing) from a faithful one, and its τ is eval's within 0.1."""
+    to tell a misread export (which accepts next to nothing) from a faithful one, and its τ is eval's within 0.1 —
+    overall, and per category of a SPEED-Bench-schema set (two categories of two prompts)."""
     from flashdraft.config import EvalConfig
     from flashdraft.evaluate import run
 
-    drafter_dir, prompts = agreeing_export
+    drafter_dir, _ = agreeing_export
+    bench = tmp_path / "speed-bench.jsonl"
+    bench.write_text("".join(json.dumps({"question_id": f"q{i}", "category": "qa" if i < 2 else "writing",
+                                         "sub_category": "", "turns": [text], "source": "test", "src_id": str(i),
+                                         "difficulty": "easy", "multiturn": False}) + "\n"
+                             for i, text in enumerate(PROMPTS)))
     out = tmp_path / "eval"
-    cfg = EvalConfig(prompts=str(prompts), target=smollm2_dir, max_new_tokens=48, engine=INSTALLED)
+    cfg = EvalConfig(prompts=[f"speed-bench={bench}"], target=smollm2_dir, max_new_tokens=48, engine=INSTALLED)
     stats = run(cfg, drafter_dir, out, log=print)
-    steps = [p["accepted"] for p in json.loads((out / "report.json").read_text())["prompts"]]
+    saved = json.loads((out / "report.json").read_text())
+    steps = [p["accepted"] for p in saved["prompts"]]
     accepted, passes = sum(map(sum, steps)), sum(map(len, steps))  # eval's accepted drafts, its verify passes
     assert stats["lossless"] is True and accepted >= 5, (accepted, passes)  # a drafter with something to accept
     report = (out / "report.md").read_text()
+    ours = saved["by_dataset"]["speed-bench"]["by_category"]
     for engine in INSTALLED:
         served = stats["engines"][engine]["overall"]
         assert abs(served["accepted_tokens"] - accepted) <= max(2, accepted // 10), (engine, served, accepted)
@@ -129,8 +137,17 @@ def test_the_engines_serve_the_export_and_accept_what_eval_accepts(tmp_path, smo
         assert f"τ in {engine}" in report and f"{served['acceptance_length']:.2f}" in report
         pace = stats["engines"][engine]
         assert pace["tokens_per_s"] > 0 and pace["tokens_per_s_without_drafter"] > 0
-        per_set = json.loads((out / "report.json").read_text())["engines"][engine]["by_dataset"]
-        assert all(block["speedup"] > 0 for block in per_set.values())  # speedup beside τ, per set
+        per_set = saved["engines"][engine]["by_dataset"]["speed-bench"]
+        assert per_set["speedup"] > 0  # speedup beside τ, per set
+        # per category: each prompt's own counts, adding up to the set's; τ as eval's for the same prompts
+        theirs = per_set["by_category"]
+        assert sorted(theirs) == sorted(ours) == ["qa", "writing"]
+        assert sum(block["drafts"] for block in theirs.values()) == per_set["drafts"]
+        for category, block in theirs.items():
+            assert abs(block["acceptance_length"] - ours[category]["acceptance_length"]) <= 0.15, (engine, category)
+            assert block["speedup"] > 0
+        section = report.split(f"τ in {engine} by category — speed-bench\n")[1].strip().split("\n\n")[0]
+        assert [line.split(" | ")[0] for line in section.splitlines()[2:]] == ["| qa", "| writing"], section
     if "vllm" in INSTALLED:
         assert len(stats["engines"]["vllm"]["overall"]["acceptance_by_position"]) == 3  # block 4: three drafted
 
@@ -246,6 +263,36 @@ def test_an_engine_without_counts_by_position_shows_a_dash_not_an_empty_cell():
     assert lines[-1] == "| chat | 1.50 | 1.60 | — | 12 | — |"  # no baseline run: no speedup either
 
 
+def test_an_engines_counts_by_category_add_up_to_its_sets_and_are_tabled_beside_evals():
+    """Each prompt's counts are kept under its set and category: a set with several categories gets τ for each
+    (and speedup, from the run without the drafter), its own τ from their sum, and a table beside eval's."""
+    from flashdraft.evaluate.engines import speedups, summary
+    from flashdraft.evaluate.report import engine_table
+
+    def row(drafts, accepted, seconds, tokens):
+        return {"drafts": drafts, "draft_tokens": 3 * drafts, "accepted": accepted, "seconds": seconds,
+                "tokens": tokens}
+
+    cells = {("sb", "coding"): row(10, 20, 1.0, 30), ("sb", "writing"): row(10, 5, 1.0, 15),
+             ("gsm8k", "all"): row(4, 4, 1.0, 8)}
+    result = summary(cells) | {"tokens_per_s": 26.3}
+    sb = result["by_dataset"]["sb"]
+    assert (sb["acceptance_length"], sb["drafts"]) == (1 + 25 / 20, 20)  # the categories' counts added
+    assert {c: b["acceptance_length"] for c, b in sb["by_category"].items()} == {"coding": 3.0, "writing": 1.5}
+    assert "by_category" not in result["by_dataset"]["gsm8k"]  # one category: no table of one row
+    assert result["overall"]["drafts"] == 24
+    speedups(result, {("sb", "coding"): row(0, 0, 2.0, 30), ("sb", "writing"): row(0, 0, 1.0, 15),
+                      ("gsm8k", "all"): row(0, 0, 1.0, 8)})
+    assert sb["by_category"]["coding"]["speedup"] == 2.0 and sb["by_category"]["writing"]["speedup"] == 1.0
+    assert sb["speedup"] == round(22.5 / 15.0, 3)  # 45 tokens in 2 s with the drafter, in 3 s without
+    ours = {"by_dataset": {"sb": {"acceptance_length": 2.0, "by_category": {"coding": {"acceptance_length": 2.9},
+                                                                            "writing": {"acceptance_length": 1.4}}},
+                           "gsm8k": {"acceptance_length": 2.0}}, "acceptance_length": 2.0}
+    lines = engine_table({"engine": "vllm", **result}, ours)
+    at = lines.index("τ in vllm by category — sb")
+    assert lines[at + 4:] == ["| coding | 3.00 | 2.90 | — | 10 | 2.00× |", "| writing | 1.50 | 1.40 | — | 10 | 1.00× |"]
+
+
 @pytest.mark.slow
 @needs_llamacpp
 def test_the_drafter_alone_serves_beside_a_quantized_target(cli, tmp_path, smollm2_dir, agreeing_export):
@@ -257,7 +304,7 @@ def test_the_drafter_alone_serves_beside_a_quantized_target(cli, tmp_path, smoll
     from transformers import AutoTokenizer
 
     from flashdraft.evaluate import renderer
-    from flashdraft.evaluate.engines import decode_all, llamacpp_command, summary
+    from flashdraft.evaluate.engines import Conversation, decode_all, llamacpp_command, summary
     from flashdraft.served import served
 
     drafter_dir, _ = agreeing_export
@@ -275,7 +322,7 @@ def test_the_drafter_alone_serves_beside_a_quantized_target(cli, tmp_path, smoll
                    check=True, capture_output=True)
 
     render = renderer(AutoTokenizer.from_pretrained(smollm2_dir))
-    turns = [("p", [{"role": "user", "content": text}], (), False) for text in PROMPTS]
+    turns = [Conversation("p", [{"role": "user", "content": text}], (), False) for text in PROMPTS]
     tau = {}
     for name, target in (("f32", whole / "target-f32.gguf"), ("q8_0", quantized)):
         def command(where, target=target):
