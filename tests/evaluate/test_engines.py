@@ -68,8 +68,10 @@ def agreeing_drafter(target_dir: str, tokenizer, steps: int, dspark: bool = Fals
         full = torch.tensor(ids + target_only(target, ids, 48)[0])
         mask = torch.zeros(len(full), dtype=torch.long)
         mask[len(ids) - 1 :] = 1
-        sequences.append((full, mask))
-    seen = torch.unique(torch.cat([full for full, _ in sequences]))
+        # the target's features once a sequence (DFlash; DSpark's terms need the target's pass every step): they
+        # do not change while the drafter trains, and recomputing them was most of this fixture's minutes
+        sequences.append((full, mask, None if dspark else target.features(full[None])[0]))
+    seen = torch.unique(torch.cat([full for full, _, _ in sequences]))
     used = set(seen.tolist())
     others = torch.tensor([i for i in range(target.config.vocab_size) if i not in used])
     drafter.set_draft_vocab(torch.cat([seen, others[: DRAFT_VOCAB - len(seen)]]))
@@ -77,9 +79,9 @@ def agreeing_drafter(target_dir: str, tokenizer, steps: int, dspark: bool = Fals
     cfg = TrainConfig(block_size=4, max_anchors=64, max_length=4096, draft_vocab_size=DRAFT_VOCAB,
                       architecture="dspark" if dspark else "dflash")
     for step in range(steps):
-        for full, mask in sequences:
+        for full, mask, features in sequences:
             generator = torch.Generator().manual_seed(step)
-            sequence_step(drafter, target, full, mask, cfg, generator, "cpu")["loss"].backward()
+            sequence_step(drafter, target, full, mask, cfg, generator, "cpu", features)["loss"].backward()
         optimizer.step()
         optimizer.zero_grad()
     return drafter, target.model.get_output_embeddings().weight.detach()
