@@ -11,6 +11,8 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 from flashdraft.artifact.manifest import build_manifest, write_manifest
 from flashdraft.artifact.ownership import lock_path
 from tests.artifact.test_ownership import HOLD, tree_digest
@@ -328,9 +330,12 @@ def test_two_concurrent_pushes_of_the_same_names_leave_one_whole_artifact_or_non
 
 
 def test_settings_out_of_range_or_unused_are_one_line_before_any_work(cli, tmp_path, tiny_target, tiny_dataset):
+    """Settings out of range or unused are refused when the config is read (each case in-process, one through the
+    CLI), and settings that only the target can judge by train before any step (each through the CLI)."""
+    from flashdraft.config import ConfigError, load_config
     from tests.test_trust import train_config
 
-    cases = {
+    read_refused = {
         "max_anchors: 1e20": dict(max_anchors=10**20),
         "seed: 1e23": dict(seed=10**23),
         "num_layers: 1e8": dict(num_layers=10**8),
@@ -338,23 +343,29 @@ def test_settings_out_of_range_or_unused_are_one_line_before_any_work(cli, tmp_p
         "lr: .inf": dict(lr=float("inf")),
         "muon_lr: .inf": dict(optimizer="muon", muon_lr=float("inf")),
         "target_layer_ids: [-5]": dict(target_layer_ids=[-5]),
-        "target_layer_ids: [1, 99]": dict(target_layer_ids=[1, 99]),
-        "mask_token_id: 100000": dict(mask_token_id=100000),
-        "draft_vocab_size: 1e8": dict(draft_vocab_size=10**8),
-        "distill_topk: 100000": dict(distill_topk=100000, features="offline"),  # the target has 128 tokens
         "dpace_alpha with loss: decay": dict(dpace_alpha=0.3),
         "muon_lr with AdamW": dict(muon_lr=1e-2),
         "selector_top_k with DFlash": dict(selector_top_k=8),
     }
-    for name, setting in cases.items():
+    for name, setting in read_refused.items():
+        cfg = train_config(tmp_path / "t.yaml", tiny_target, max_steps=1, **setting)
+        with pytest.raises(ConfigError) as refused:
+            load_config(cfg)
+        assert str(refused.value).startswith("invalid config: ") and "\n" not in str(refused.value), name
+    target_refused = {  # the tiny target has 4 layers and 128 tokens
+        "target_layer_ids: [1, 99]": dict(target_layer_ids=[1, 99]),
+        "mask_token_id: 100000": dict(mask_token_id=100000),
+        "draft_vocab_size: 1e8": dict(draft_vocab_size=10**8),
+        "distill_topk: 100000": dict(distill_topk=100000, features="offline"),
+        "max_anchors: 1e20": read_refused["max_anchors: 1e20"],  # and one read-time case, through the CLI
+    }
+    for name, setting in target_refused.items():
         out = tmp_path / "out"
         cfg = train_config(tmp_path / "t.yaml", tiny_target, max_steps=1, **setting)
         started = time.monotonic()
         proc = cli("train", "--config", str(cfg), "--data", str(tiny_dataset), "--out", str(out), timeout=120)
         assert proc.returncode == 1, name
-        assert one_line_error(proc).startswith("error: invalid config" if name != "target_layer_ids: [1, 99]" and
-                                               "mask" not in name and "vocab" not in name and "distill" not in name
-                                               else "error: train.")
+        assert one_line_error(proc).startswith("error: invalid config" if name in read_refused else "error: train.")
         assert time.monotonic() - started < 60 and not (out / "drafter").exists() and not (out / "checkpoints").exists()
 
 
