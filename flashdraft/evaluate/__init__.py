@@ -382,7 +382,7 @@ def measure_engines(cfg: EvalConfig, d: Decoding, prompts: list, report: dict, s
                 raise
             log(f"eval: {engine} failed: {e}")
             report["engines"][engine] = {"engine": engine, "failed": str(e)}
-    stats["engines"] = {engine: {k: v for k, v in served.items() if k != "by_dataset"}
+    stats["engines"] = {engine: {k: v for k, v in served.items() if k not in ("by_dataset", "prompts")}
                         for engine, served in report["engines"].items()}
 
 
@@ -431,7 +431,7 @@ def engine_report(cfg: EvalConfig, name: str, prompts: list, render: Callable, t
     from flashdraft.evaluate.engines import Conversation, measure
 
     turns = [Conversation(p.dataset, list(p.prompt.messages), p.follow_ups, p.prompt.thinking,
-                          p.prompt.category or "all") for p in prompts]
+                          p.prompt.category or "all", p.prompt.id) for p in prompts]
     longest = max(len(render(p.prompt.messages, p.prompt.thinking)) for p in prompts)
     log(f"eval: measuring τ in {name} on the same {len(prompts)} prompts")
     sampled = cfg.temperature > 0

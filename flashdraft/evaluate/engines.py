@@ -47,6 +47,7 @@ class Conversation(NamedTuple):
     follow_ups: tuple[str, ...]
     thinking: bool
     category: str = "all"
+    id: str = ""  # eval's id for the prompt: report.json's engine rows name it, beside eval's own rows
 
 
 Turns = list[Conversation]
@@ -234,10 +235,13 @@ def complete(engine: str, endpoint: Endpoint, prompt_ids: list[int], max_new_tok
 
 
 def decode_all(engine: str, endpoint: Endpoint, turns: Turns, render: Callable, max_new_tokens: int, positions: int,
-               temperature: float = 0.0, seed: int | None = None) -> tuple[Cells, float, int]:
+               temperature: float = 0.0, seed: int | None = None,
+               answers: list[dict] | None = None) -> tuple[Cells, float, int]:
     """Every prompt's turns, one at a time (greedy, or sampled with `seed`): {(set, category): the draft counts
     they made}, seconds, tokens. vLLM's counters are read before and after each prompt, so a prompt's counts are
-    its own: that is what lets them be added up by category as well as by set."""
+    its own: that is what lets them be added up by category as well as by set. With `answers`, a row a prompt is
+    appended to it — its id, set, category, seed, drafts, accepted drafts and the engine's answers — so that a
+    category where the engine and eval differ can be followed down to the prompt."""
     by_cell: Cells = {}
     seconds, tokens = 0.0, 0
     for conversation in turns:
@@ -246,6 +250,7 @@ def decode_all(engine: str, endpoint: Endpoint, turns: Turns, render: Callable, 
         made = Counters(0.0, 0.0, 0.0, ())
         row = by_cell.setdefault((conversation.dataset, conversation.category),
                                  {"drafts": 0.0, "draft_tokens": 0.0, "accepted": 0.0, "seconds": 0.0, "tokens": 0.0})
+        said = []
         for turn in range(1 + len(conversation.follow_ups)):
             if turn:
                 messages.append({"role": "user", "content": conversation.follow_ups[turn - 1]})
@@ -258,6 +263,7 @@ def decode_all(engine: str, endpoint: Endpoint, turns: Turns, render: Callable, 
             if counted is not None:
                 made = made.plus(counted)
             messages.append({"role": "assistant", "content": text})
+            said.append(text)
         if before is not None:
             made = checked(read_counters(endpoint, positions).minus(before), positions)
         row["drafts"] += made.drafts
@@ -265,6 +271,11 @@ def decode_all(engine: str, endpoint: Endpoint, turns: Turns, render: Callable, 
         row["accepted"] += made.accepted
         for i, value in enumerate(made.by_position):
             row[f"position_{i}"] = row.get(f"position_{i}", 0.0) + value
+        if answers is not None:
+            answers.append({"id": conversation.id, "dataset": conversation.dataset, "category": conversation.category,
+                            "seed": seed, "drafts": int(made.drafts), "accepted": int(made.accepted),
+                            "acceptance_length": round(1 + made.accepted / made.drafts, 4) if made.drafts else None,
+                            "answers": said})
     return by_cell, seconds, tokens
 
 
@@ -279,20 +290,22 @@ def added(rows) -> dict[str, float]:
 
 def over_seeds(engine: str, endpoint: Endpoint, turns: Turns, render: Callable, max_new_tokens: int, positions: int,
                temperature: float, seeds: tuple[int | None, ...]) -> tuple[Cells, float, int, dict[str, Any]]:
-    """decode_all once a seed: the draft counts pooled over the seeds, seconds, tokens, and (several seeds) each
-    seed's overall τ with their mean and standard deviation (`tau_over_seeds`)."""
+    """decode_all once a seed: the draft counts pooled over the seeds, seconds, tokens, and what goes into the
+    report beside them: each prompt's row (`prompts`) and, over several seeds, each seed's overall τ with their
+    mean and standard deviation (`tau_over_seeds`)."""
     from flashdraft.evaluate.report import over_seeds_spread
 
     pooled: Cells = {}
-    seconds, tokens, taus = 0.0, 0, {}
+    seconds, tokens, taus, answers = 0.0, 0, {}, []
     for seed in seeds:
-        by_cell, s, n = decode_all(engine, endpoint, turns, render, max_new_tokens, positions, temperature, seed)
+        by_cell, s, n = decode_all(engine, endpoint, turns, render, max_new_tokens, positions, temperature, seed,
+                                   answers)
         seconds, tokens = seconds + s, tokens + n
         taus[seed] = summary(by_cell)["overall"]["acceptance_length"]
         for cell, row in by_cell.items():
             pooled[cell] = added([pooled.get(cell, {}), row])
     spread = over_seeds_spread(taus) if len(seeds) > 1 else None
-    return pooled, seconds, tokens, ({"tau_over_seeds": spread} if spread else {})
+    return pooled, seconds, tokens, {"prompts": answers, **({"tau_over_seeds": spread} if spread else {})}
 
 
 def summary(by_cell: Cells) -> dict[str, Any]:
@@ -391,10 +404,10 @@ def measure(engine: str, turns: Turns, render: Callable, *, target_dir: Path, dr
     assert engine in ENGINES
     positions = drafts_per_step(block_size, dspark)
     if url is not None:
-        by_set, seconds, tokens, by_seed = over_seeds(engine, Endpoint(url=url.rstrip("/")), turns, render,
+        by_set, seconds, tokens, extra = over_seeds(engine, Endpoint(url=url.rstrip("/")), turns, render,
                                                       max_new_tokens, positions, temperature, seeds)
         return {"engine": engine, "url": url, **summary(by_set), "tokens_per_s": round(tokens / seconds, 2),
-                **by_seed}
+                **extra}
     program = engine_program(engine, python)  # checked by the caller before eval's own work (check_engine)
     context = longest_prompt + 2 * (max_new_tokens + 512) + 2 * block_size  # two turns and their answers
 
@@ -416,9 +429,9 @@ def measure(engine: str, turns: Turns, render: Callable, *, target_dir: Path, dr
     result: dict[str, Any] = {"engine": engine}
     name = f"engine-{engine}.log"
     with served(command(True), logs / name, log, shown_log / name) as endpoint:
-        by_set, seconds, tokens, by_seed = over_seeds(engine, endpoint, turns, render, max_new_tokens, positions,
+        by_set, seconds, tokens, extra = over_seeds(engine, endpoint, turns, render, max_new_tokens, positions,
                                                       temperature, seeds)
-    result |= summary(by_set) | {"tokens_per_s": round(tokens / seconds, 2), "tokens": tokens} | by_seed
+    result |= summary(by_set) | {"tokens_per_s": round(tokens / seconds, 2), "tokens": tokens} | extra
     if baseline:  # tokens/s without the drafter: one pass over the prompts (the first seed's) is enough
         name = f"engine-{engine}-target-only.log"
         with served(command(False), logs / name, log, shown_log / name) as endpoint:

@@ -148,6 +148,10 @@ def test_the_engines_serve_the_export_and_accept_what_eval_accepts(tmp_path, smo
         for category, block in theirs.items():
             assert abs(block["acceptance_length"] - ours[category]["acceptance_length"]) <= 0.15, (engine, category)
             assert block["speedup"] > 0
+        # and each prompt's own row, named as eval names it, with the engine's answer (one turn each here)
+        rows = saved["engines"][engine]["prompts"]
+        assert sorted(row["id"] for row in rows) == sorted({row["id"] for row in saved["prompts"]})
+        assert sum(row["drafts"] for row in rows) == per_set["drafts"] and all(len(r["answers"]) == 1 for r in rows)
         section = report.split(f"τ in {engine} by category — speed-bench\n")[1].strip().split("\n\n")[0]
         assert [line.split(" | ")[0] for line in section.splitlines()[2:]] == ["| qa", "| writing"], section
     if "vllm" in INSTALLED:
