@@ -43,6 +43,16 @@ def generate_dir(workdir: str | Path, shard_index: int, num_shards: int) -> Path
     return Path(workdir) / generate_parts(num_shards)[shard_index if num_shards > 1 else 0]
 
 
+def require_drafter(drafter_dir: str | Path) -> Path:
+    """An exported drafter's directory, or BadInput saying there is none (eval and export ask before any work)."""
+    from flashdraft.errors import BadInput
+
+    drafter_dir = Path(drafter_dir)
+    if not (drafter_dir / "config.json").is_file():
+        raise BadInput(f"{drafter_dir} holds no drafter (config.json): run `flashdraft train` first")
+    return drafter_dir
+
+
 def stage_url(store: str, stage: str) -> str:
     """Where `stage`'s artifact lives in the store (a local directory or s3://bucket/prefix)."""
     return join(store, ARTIFACTS[stage])

@@ -18,7 +18,7 @@ from flashdraft.cli.app import (
     human,
 )
 from flashdraft.config import load_config
-from flashdraft.layout import DRAFTER, generate_dir, stage_dir, train_dir
+from flashdraft.layout import DRAFTER, generate_dir, require_drafter, stage_dir, train_dir
 from flashdraft.pipeline import train_settings
 from flashdraft.preflight import generate_checks, require, train_checks
 
@@ -51,8 +51,6 @@ def generate(
     json_out: JsonFlag = False,
 ) -> None:
     """Regenerate responses with the target model into committed batch files (resumable, shardable)."""
-    from flashdraft import generate as stage
-
     if thinking not in (None, "on", "off", "mixed"):
         fail("--thinking takes on, off or mixed")
     if turns not in (None, "final", "all"):
@@ -79,6 +77,8 @@ def generate(
         fail(f"--shard-index must be in 0..{cfg.generate.num_shards - 1}")
     out = out or generate_dir(cfg.workdir, cfg.generate.shard_index, cfg.generate.num_shards)
     require(generate_checks(cfg.generate, upload_to))  # prompts, endpoints or model, upload store: before any batch
+    from flashdraft import generate as stage  # after the checks: its imports take seconds, a refusal does not
+
     stats = stage.run(cfg.generate, out, upload_to=upload_to, console=err_console, log=human(json_out).print)
     if json_out:
         emit_json({"path": str(out), **stats})
@@ -164,8 +164,6 @@ def train(
 
     Every other setting (block_size, lr, num_layers, draft_vocab_size, markov_rank, feature_source …) is a key of
     the config's train: section, each with its default, bounds and meaning in docs/config-keys.md."""
-    from flashdraft import train as stage
-
     overrides = {"train.target": target, "train.max_steps": max_steps, "train.epochs": epochs,
                  "train.push_to": push_to, "train.features": features, "train.init_from": init_from,
                  "train.architecture": architecture, "train.node_rank": node_rank}
@@ -174,6 +172,8 @@ def train(
     out = out or train_dir(cfg.workdir)
     train_cfg = train_settings(cfg)  # the config's store holds the checkpoints, as under `run`
     require(train_checks(train_cfg))  # target, devices, the store checkpoints go to: before any compute
+    from flashdraft import train as stage  # after the checks: its imports take seconds, a refusal does not
+
     stats = stage.run(train_cfg, data, out, require_checkpoint=resume, console=err_console,
                       log=human(json_out).print)
     if json_out and stats:
@@ -223,8 +223,6 @@ def evaluate(
     json_out: JsonFlag = False,
 ) -> None:
     """Measure acceptance length with lossless speculative decoding, per prompt set."""
-    from flashdraft import evaluate as stage
-
     overrides = {
         "eval.prompts": (prompts[0] if len(prompts) == 1 else list(prompts)) if prompts else None,
         "eval.target": target,
@@ -243,6 +241,9 @@ def evaluate(
     cfg = load_config(config, overrides)
     drafter = drafter or stage_dir(cfg.workdir, "train")
     out = out or stage_dir(cfg.workdir, "eval")
+    require_drafter(drafter)
+    from flashdraft import evaluate as stage  # after the checks: its imports take seconds, a refusal does not
+
     stats = stage.run(cfg.eval, drafter, out, console=err_console, log=human(json_out).print)
     if json_out:
         emit_json({"path": str(out), **stats})

@@ -52,6 +52,7 @@ from flashdraft.evaluate.decode import SpecDecoder, divergence, target_only, unt
 from flashdraft.evaluate.report import dspark_summary, judged, markdown_report, over_seeds_spread, plot, summarize
 from flashdraft.evaluate.sets import load_eval_sets
 from flashdraft.evaluate.static import StaticSpecDecoder, cuda_graphs, static_unsupported
+from flashdraft.layout import require_drafter
 from flashdraft.model.dspark import is_dspark
 from flashdraft.model.export import load_drafter
 from flashdraft.model.objective import acceptance_length
@@ -74,8 +75,7 @@ def run(
     from flashdraft.model.resolve import resolve_model
 
     drafter_dir, out = Path(drafter_dir), Path(out)
-    if not (drafter_dir / "config.json").is_file():
-        raise BadInput(f"{drafter_dir} holds no drafter (config.json): run `flashdraft train` first")
+    require_drafter(drafter_dir)
     prompts, rejected, sets = load_prompts(cfg)
     check_engines(cfg, drafter_dir, log)
     target_path = resolve_model(target_ref or cfg.target, log=log)

@@ -26,7 +26,7 @@ from flashdraft.artifact.manifest import Lineage, check_done, identity, read_man
 from flashdraft.artifact.ownership import commit_dir
 from flashdraft.bounded import read_small
 from flashdraft.errors import BadInput, ExpectedFailure
-from flashdraft.layout import engines_dir
+from flashdraft.layout import engines_dir, require_drafter
 from flashdraft.model.staging import MAX_JSON_BYTES, architecture_of, staged_model, strip_code_references
 
 DRAFTER_FILE = "drafter.gguf"
@@ -109,8 +109,7 @@ def export_gguf(drafter_dir: Path, target_ref: str, out: Path, *, outtype: str =
     from flashdraft.model.resolve import resolve_model
 
     drafter_dir, out = Path(drafter_dir), Path(out)
-    if not (drafter_dir / "config.json").is_file():
-        raise BadInput(f"{drafter_dir} holds no drafter (config.json): run `flashdraft train` first")
+    require_drafter(drafter_dir)
     config = strip_code_references(json.loads(read_small(drafter_dir / "config.json", MAX_JSON_BYTES)))
     architecture_of(config, drafter_dir, "drafter")  # before anything reads the directory further
     target = resolve_model(target_ref, log=log)

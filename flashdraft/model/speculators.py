@@ -20,6 +20,7 @@ from typing import Any
 from flashdraft.artifact.manifest import Lineage, check_done, identity, read_manifest, require_verified, sha256_json
 from flashdraft.artifact.ownership import commit_dir
 from flashdraft.errors import BadInput, ExpectedFailure
+from flashdraft.layout import require_drafter
 
 
 def export_speculators(drafter_dir: Path, target_ref: str, out: Path, log: Callable[[str], None] = print
@@ -27,8 +28,7 @@ def export_speculators(drafter_dir: Path, target_ref: str, out: Path, log: Calla
     from flashdraft.model.resolve import resolve_model
 
     drafter_dir, out = Path(drafter_dir), Path(out)
-    if not (drafter_dir / "config.json").is_file():
-        raise BadInput(f"{drafter_dir} holds no drafter (config.json): run `flashdraft train` first")
+    require_drafter(drafter_dir)
     config = json.loads((drafter_dir / "config.json").read_text())
     if config.get("architectures") == ["DFlash2DraftModel"]:
         raise BadInput("speculators 0.9 has a DFlash2 model class but no DFlash2 converter (its "

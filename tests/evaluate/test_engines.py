@@ -68,10 +68,15 @@ def agreeing_drafter(target_dir: str, tokenizer, steps: int, dspark: bool = Fals
         full = torch.tensor(ids + target_only(target, ids, 48)[0])
         mask = torch.zeros(len(full), dtype=torch.long)
         mask[len(ids) - 1 :] = 1
-        # the target's features once a sequence (DFlash; DSpark's terms need the target's pass every step): they
-        # do not change while the drafter trains, and recomputing them was most of this fixture's minutes
-        sequences.append((full, mask, None if dspark else target.features(full[None])[0]))
-    seen = torch.unique(torch.cat([full for full, _, _ in sequences]))
+        # the target's pass once a sequence, not once a step (it was most of this fixture's minutes): its features,
+        # and for DSpark's L1 and confidence terms its whole next-token distribution, as a top-k of every token
+        with torch.no_grad():
+            output, features = target.forward(full[None])
+            logprobs = torch.log_softmax(target.lm_head(output.last_hidden_state[0]).float(), dim=-1)
+            everything = logprobs.topk(logprobs.shape[-1], dim=-1)
+            teacher = (everything.indices, everything.values) if dspark else None
+        sequences.append((full, mask, features[0], teacher))
+    seen = torch.unique(torch.cat([full for full, *_ in sequences]))
     used = set(seen.tolist())
     others = torch.tensor([i for i in range(target.config.vocab_size) if i not in used])
     drafter.set_draft_vocab(torch.cat([seen, others[: DRAFT_VOCAB - len(seen)]]))
@@ -79,9 +84,9 @@ def agreeing_drafter(target_dir: str, tokenizer, steps: int, dspark: bool = Fals
     cfg = TrainConfig(block_size=4, max_anchors=64, max_length=4096, draft_vocab_size=DRAFT_VOCAB,
                       architecture="dspark" if dspark else "dflash")
     for step in range(steps):
-        for full, mask, features in sequences:
+        for full, mask, features, teacher in sequences:
             generator = torch.Generator().manual_seed(step)
-            sequence_step(drafter, target, full, mask, cfg, generator, "cpu", features)["loss"].backward()
+            sequence_step(drafter, target, full, mask, cfg, generator, "cpu", features, teacher)["loss"].backward()
         optimizer.step()
         optimizer.zero_grad()
     return drafter, target.model.get_output_embeddings().weight.detach()
