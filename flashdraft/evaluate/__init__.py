@@ -90,8 +90,11 @@ def run(
         if done is not None and not failed:
             return done
         decoded = None  # eval's own measurement, when a report holds it but an engine failed there
+        measured = {}  # the engines that did not fail there: their measurement stands, they are not served again
         if failed:
-            decoded = json.loads((out / "report.json").read_text())["prompts"]  # verified with the manifest
+            committed = json.loads((out / "report.json").read_text())  # verified with the manifest
+            decoded = committed["prompts"]
+            measured = {name: served for name, served in committed.get("engines", {}).items() if name not in failed}
             log(f"eval: {out} holds eval's own measurement, but {', '.join(failed)} failed there: measuring "
                 f"{'it' if len(failed) == 1 else 'them'} again on it (eval's decoding is not redone)")
         if (drafter_dir / MANIFEST).exists():  # re-hashed only now that it is about to be used
@@ -109,7 +112,7 @@ def run(
         with commit_dir(out, "eval", stats=stats, lineage=lineage) as building:  # its own files, renamed in whole
             if cfg.engines:  # the engines' logs are part of the report: what each said while it served
                 measure_engines(cfg, decoding, prompts, report, stats, per_prompt, drafter_dir, target_path,
-                                building, out, log)
+                                building, out, log, measured)
             table = markdown_report(report)
             atomic_write_text(building / "report.json", json.dumps({**report, "prompts": per_prompt}, indent=1))
             atomic_write_text(building / "report.md", table)
@@ -368,12 +371,22 @@ def engine_only_report(cfg: EvalConfig, prompts: list, d: Decoding) -> tuple[dic
 
 def measure_engines(cfg: EvalConfig, d: Decoding, prompts: list, report: dict, stats: dict, per_prompt: list[dict],
                     drafter_dir: Path, target_path: str, building: Path, out: Path,
-                    log: Callable[[str], None]) -> None:
+                    log: Callable[[str], None], measured: dict[str, dict] | None = None) -> None:
     """Each engine's τ on the same prompts into the report and stats; an engine's failure is recorded beside the
-    rest (eval's own measurement is kept)."""
+    rest (eval's own measurement is kept). `measured`: engines a committed report already measured — their
+    entries and logs are carried into the new report, and they are not served again."""
+    import shutil
+
     passes = sum(len(p["accepted"]) for p in per_prompt) if not cfg.engine_only else None  # eval's verify passes
     report["engines"] = {}
     for engine in cfg.engines:
+        if engine in (measured or {}):
+            log(f"eval: {engine} measured there already: kept")
+            report["engines"][engine] = measured[engine]
+            for name in (f"engine-{engine}.log", f"engine-{engine}-target-only.log"):
+                if (out / name).is_file() and not (out / name).is_symlink():  # its own, verified with the report
+                    shutil.copyfile(out / name, building / name)
+            continue
         try:
             report["engines"][engine] = engine_report(cfg, engine, prompts, d.render, target_path, drafter_dir,
                                                       d.block_size, report, passes, building, out, log, d.dspark)

@@ -156,7 +156,10 @@ def vllm_command(python: Path, target_dir: Path, drafter_dir: Path | None, block
     command = [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(target_dir),
                "--served-model-name", SERVED_NAME, *(["--uds", str(where)] if isinstance(where, Path) else
                                                  ["--host", "127.0.0.1", "--port", str(where)]), "--dtype", "float32",
-               "--enforce-eager", "--max-model-len", str(max_model_len), "--max-num-seqs", "1", "--seed", "0"]
+               "--enforce-eager", "--max-model-len", str(max_model_len), "--max-num-seqs", "1", "--seed", "0",
+               # a whole prompt in one prefill step: a seeded request's prompt split over steps rewinds its sampler's
+               # offset, which the CPU build's generator lacks ("CPU Generator does not use offset": HTTP 500)
+               "--max-num-batched-tokens", str(max_model_len)]
     if drafter_dir is not None:
         spec = {"method": "dspark" if dspark else "dflash", "model": str(drafter_dir),
                 "num_speculative_tokens": drafts_per_step(block_size, dspark)}

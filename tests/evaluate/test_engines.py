@@ -357,7 +357,12 @@ def test_at_temperature_one_the_engines_tau_comes_with_its_spread_over_seeds(tmp
     from flashdraft.evaluate import run
 
     drafter_dir, prompts = agreeing_export
-    cfg = EvalConfig(prompts=str(prompts), target=smollm2_dir, max_new_tokens=24, engine="vllm",
+    # and one prompt past vLLM's 2,048-token step: split over two prefill steps, a seeded request crashed its CPU
+    # build ("CPU Generator does not use offset"), so flashdraft asks for a step as long as the context
+    longer = tmp_path / "longer.jsonl"
+    longer.write_text(prompts.read_text() + json.dumps({"prompt": "Summarize: " + "The river runs to the sea. " * 330})
+                      + "\n")
+    cfg = EvalConfig(prompts=str(longer), target=smollm2_dir, max_new_tokens=24, engine="vllm",
                      engine_baseline=False, temperature=1.0, seeds=2)
     stats = run(cfg, drafter_dir, tmp_path / "eval", log=print)
     ours, served = stats["tau_over_seeds"], stats["engines"]["vllm"]
@@ -370,7 +375,8 @@ def test_at_temperature_one_the_engines_tau_comes_with_its_spread_over_seeds(tmp
     report = (tmp_path / "eval" / "report.md").read_text()
     assert "temperature 1" in report and "over 2 seeds: engine τ" in report and "2 standard errors" in report
     rows = json.loads((tmp_path / "eval" / "report.json").read_text())["prompts"]
-    assert sorted({row["seed"] for row in rows}) == [0, 1] and len(rows) == 2 * len(PROMPTS)
+    assert sorted({row["seed"] for row in rows}) == [0, 1] and len(rows) == 2 * (len(PROMPTS) + 1)
+    assert max(row["prompt_tokens"] for row in rows) > 2048
 
 
 def test_seeds_mean_nothing_to_greedy_decoding():
@@ -379,3 +385,32 @@ def test_seeds_mean_nothing_to_greedy_decoding():
     with pytest.raises(ValueError, match="seeds does nothing here: greedy decoding"):
         EvalConfig(seeds=3)
     assert EvalConfig(seeds=3, temperature=0.7).seeds == 3
+
+
+def test_a_rerun_after_an_engine_failed_serves_only_that_engine_and_keeps_the_others(tmp_path):
+    """A committed report whose llama.cpp failed and whose vLLM measured: the rerun tries llama.cpp again (here it
+    fails again, in one line: the drafter directory is empty) and carries vLLM's entry and logs over as they were,
+    without starting it."""
+    from flashdraft.config import EvalConfig
+    from flashdraft.evaluate import Decoding, measure_engines
+    from flashdraft.evaluate.sets import EvalPrompt
+    from flashdraft.generate.prompts import Prompt
+
+    out, building, empty = tmp_path / "eval", tmp_path / "building", tmp_path / "no-drafter"
+    for where in (out, building, empty):
+        where.mkdir()
+    (out / "engine-vllm.log").write_text("vLLM's own words")
+    (out / "engine-vllm-target-only.log").write_text("and without the drafter")
+    (out / "engine-llamacpp.log").write_text("the failed run's log")
+    kept = {"engine": "vllm", "overall": {"acceptance_length": 1.5}, "by_dataset": {}}
+    cfg = EvalConfig(engine=["vllm", "llamacpp"], engine_baseline=False)
+    report, stats, said = {"acceptance_length": 1.6, "by_dataset": {}}, {}, []
+    prompts = [EvalPrompt("p", Prompt("a", [{"role": "user", "content": "hi"}]))]
+    measure_engines(cfg, Decoding(render=lambda messages, thinking: [1, 2, 3], block_size=4, dspark=False), prompts,
+                    report, stats, [{"accepted": [0, 1]}], empty, "target", building, out, said.append,
+                    measured={"vllm": kept})
+    assert report["engines"]["vllm"] is kept and "eval: vllm measured there already: kept" in said
+    assert "holds no drafter" in report["engines"]["llamacpp"]["failed"]  # tried again: this run's failure
+    assert (building / "engine-vllm.log").read_text() == "vLLM's own words"
+    assert (building / "engine-vllm-target-only.log").read_text() == "and without the drafter"
+    assert not (building / "engine-llamacpp.log").exists()  # the failed engine's old log is not carried over
