@@ -26,6 +26,7 @@ temperature and decoding machinery they were measured with. `report.md` (also pr
 from __future__ import annotations
 
 import json
+import shutil
 import time
 from collections import defaultdict
 from collections.abc import Callable
@@ -375,8 +376,6 @@ def measure_engines(cfg: EvalConfig, d: Decoding, prompts: list, report: dict, s
     """Each engine's τ on the same prompts into the report and stats; an engine's failure is recorded beside the
     rest (eval's own measurement is kept). `measured`: engines a committed report already measured — their
     entries and logs are carried into the new report, and they are not served again."""
-    import shutil
-
     passes = sum(len(p["accepted"]) for p in per_prompt) if not cfg.engine_only else None  # eval's verify passes
     report["engines"] = {}
     for engine in cfg.engines:

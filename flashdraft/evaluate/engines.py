@@ -277,9 +277,14 @@ def decode_all(engine: str, endpoint: Endpoint, turns: Turns, render: Callable, 
         if answers is not None:
             answers.append({"id": conversation.id, "dataset": conversation.dataset, "category": conversation.category,
                             "seed": seed, "drafts": int(made.drafts), "accepted": int(made.accepted),
-                            "acceptance_length": round(1 + made.accepted / made.drafts, 4) if made.drafts else None,
+                            "acceptance_length": engine_tau(made.accepted, made.drafts),
                             "answers": said})
     return by_cell, seconds, tokens
+
+
+def engine_tau(accepted: float, drafts: float) -> float | None:
+    """τ as the engines define it: 1 + accepted drafts / verify passes (bonus token included); None with no pass."""
+    return round(1 + accepted / drafts, 4) if drafts else None
 
 
 def added(rows) -> dict[str, float]:
@@ -317,7 +322,7 @@ def summary(by_cell: Cells) -> dict[str, Any]:
     def one(row: dict[str, float]) -> dict[str, Any]:
         positions = sorted(int(k.split("_")[1]) for k in row if k.startswith("position_"))
         drafts = row["drafts"]
-        return {"acceptance_length": round(1 + row["accepted"] / drafts, 4) if drafts else None,
+        return {"acceptance_length": engine_tau(row["accepted"], drafts),
                 "drafts": int(drafts), "draft_tokens": int(row["draft_tokens"]),
                 "accepted_tokens": int(row["accepted"]),
                 "acceptance_by_position": [round(row[f"position_{i}"] / drafts, 4) if drafts else None
