@@ -162,9 +162,14 @@ class CandidateSelector(nn.Module):
     def scores(self, unary, hidden, previous_ids, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(the unary top-K ids, their scores) at each slot: unary logits (…, V) and hidden (…, D)."""
         candidates = unary.topk(top_k, dim=-1).indices
+        return candidates, self.scores_of(candidates, unary.gather(-1, candidates), hidden, previous_ids)
+
+    def scores_of(self, candidates, unary_at_candidates, hidden, previous_ids) -> torch.Tensor:
+        """The scores of given candidates (…, K) from their unary logits (…, K): what training computes, whose
+        unary logits are never whole (flashdraft's loss reduces them a chunk of rows at a time)."""
         pairwise = self.transition(hidden, previous_ids, candidates)
         # in float32 whatever the logits' type: K′ scores a slot are cheap, and bfloat16 would tie them
-        return candidates, unary.gather(-1, candidates).float() + pairwise.float()
+        return unary_at_candidates.float() + pairwise.float()
 
 
 class MarkovHead(nn.Module):
@@ -190,29 +195,39 @@ class MarkovHead(nn.Module):
     def step(self, hidden: torch.Tensor, previous_ids: torch.Tensor, state: torch.Tensor | None = None):
         """One slot: hidden (…, D), the token before it (…) and the recurrent state (`rnn`; zeros at the block's
         first slot) → (the bias (…, V′), the next state)."""
+        code, state = self.code(hidden, previous_ids, state)
+        return self.markov_w2(code), state
+
+    def code(self, hidden: torch.Tensor, previous_ids: torch.Tensor, state: torch.Tensor | None = None):
+        """One slot's rank-r code, the bias before its projection `markov_w2` to the vocabulary, and the next state."""
         embedding = self.embed(previous_ids).to(self.markov_w2.weight.dtype)
         if self.head_type == "vanilla":
-            return self.markov_w2(embedding), state
+            return embedding, state
         hidden = hidden.to(embedding.dtype)
         if self.head_type == "gated":
             gate = torch.sigmoid(self.gate_proj(torch.cat([hidden, embedding], dim=-1)))
-            return self.markov_w2(gate * embedding), state
+            return gate * embedding, state
         if state is None:
             state = torch.zeros_like(embedding)
         gate, candidate, output = self.joint_proj(torch.cat([state, embedding, hidden], dim=-1)).chunk(3, dim=-1)
         gate = torch.sigmoid(gate)
         state = gate * state + (1.0 - gate) * torch.tanh(candidate)
-        return self.markov_w2(torch.tanh(output)), state
+        return torch.tanh(output), state
+
+    def block_codes(self, hidden: torch.Tensor, previous_ids: torch.Tensor) -> torch.Tensor:
+        """Teacher-forced, as training runs it: hidden (N, K, D), the token before each slot (N, K) → the codes
+        (N, K, r), whose projection `markov_w2` is the bias (training projects them a chunk of rows at a time)."""
+        if self.head_type != "rnn":
+            return self.code(hidden, previous_ids)[0]
+        state, codes = None, []
+        for slot in range(hidden.shape[1]):
+            code, state = self.code(hidden[:, slot], previous_ids[:, slot], state)
+            codes.append(code)
+        return torch.stack(codes, dim=1)
 
     def block_bias(self, hidden: torch.Tensor, previous_ids: torch.Tensor) -> torch.Tensor:
-        """Teacher-forced, as training runs it: hidden (N, K, D), the token before each slot (N, K) → (N, K, V′)."""
-        if self.head_type != "rnn":
-            return self.step(hidden, previous_ids)[0]
-        state, biases = None, []
-        for slot in range(hidden.shape[1]):
-            bias, state = self.step(hidden[:, slot], previous_ids[:, slot], state)
-            biases.append(bias)
-        return torch.stack(biases, dim=1)
+        """Teacher-forced: (N, K, D) hidden and (N, K) previous tokens → the bias (N, K, V′)."""
+        return self.markov_w2(self.block_codes(hidden, previous_ids))
 
 
 class ConfidenceHead(nn.Module):

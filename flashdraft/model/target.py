@@ -17,6 +17,7 @@ from transformers.modeling_outputs import BaseModelOutput
 
 from flashdraft.errors import BadInput
 from flashdraft.model.drafter import DFlashDrafter
+from flashdraft.model.transfer import to_device
 
 
 def language_model(model: torch.nn.Module) -> tuple[torch.nn.Module, torch.nn.Module, object]:
@@ -213,6 +214,18 @@ class Target:
         if getattr(self, "_head_for", None) is not drafter:
             self._head, self._head_for = drafter.head_weight(self.lm_head.weight), drafter
         return self._head
+
+    def heads_beside(self, drafter: DFlashDrafter, device, dtype: torch.dtype | None = None):
+        """(the rows the drafter scores with, the whole LM head) on the drafter's device, in `dtype` (default: the
+        target's), copied there once: training scores every block position against them, so only the drafter's
+        hidden states, never rows × vocabulary logits, would otherwise cross devices. With the target on the same
+        device and dtype they are the target's own tensors; else the drafter's device holds a copy (Qwen3.6-27B's
+        head: 2.5 GB in bfloat16)."""
+        key = (drafter, str(device), dtype)
+        if getattr(self, "_beside_for", None) != key:
+            whole = to_device(self.lm_head.weight.detach(), device).to(dtype or self.lm_head.weight.dtype)
+            self._beside, self._beside_for = (drafter.head_weight(whole), whole), key
+        return self._beside
 
     def discard_features(self) -> None:
         """Forget what the hooks captured during a pass whose features are not needed (e.g. `generate`)."""

@@ -31,6 +31,7 @@ from flashdraft.model.objective import (
 )
 from flashdraft.model.target import Target
 from flashdraft.model.transfer import to_device
+from flashdraft.train.loss import head_terms, target_probs_from_hidden, target_probs_from_topk
 from flashdraft.train.metrics import json_rates, mean_rates, selector_metrics
 
 # Under CPU autocast (`train.bf16`) a norm gets bfloat16 input and keeps its float32 weight; torch then computes
@@ -210,45 +211,48 @@ def batch_step(model, target: Target, rows: list, cfg: TrainConfig, generators: 
             record_function("flashdraft.forward"):
         hidden = model(block_embeds, features_BCF, to_device(blocks.positions_BNK.view(len(live), -1), device),
                        torch.arange(context_len, device=device)[None].expand(len(live), -1), allowed)
-        head = target.head_weight(drafter)
-        if not bf16 and head.dtype != hidden.dtype:  # a bfloat16 target (train.target_dtype) without autocast
-            head = head.to(hidden.dtype)
-        logits_BSV = drafter.unary_logits(to_device(to_device(hidden, head.device) @ head.T, device))
-    with record_function("flashdraft.loss"):
-        dspark = is_dspark(drafter)
-        for b, (i, *_) in enumerate(live):
-            results[i] = (dspark_result(drafter, cfg, plan, blocks, b, logits_BSV, hidden, device, target) if dspark
-                          else sequence_result(drafter, cfg, plan, blocks, b, logits_BSV, hidden, device))
+        # the LM head beside the drafter (a bfloat16 target without autocast: a float32 copy)
+        head_dtype = None if bf16 or embed.weight.dtype == hidden.dtype else hidden.dtype
+        heads = target.heads_beside(drafter, device, head_dtype)
+        with record_function("flashdraft.loss"):
+            dspark = is_dspark(drafter)
+            for b, (i, *_) in enumerate(live):
+                results[i] = (dspark_result(drafter, cfg, plan, blocks, b, heads, hidden, device) if dspark
+                              else sequence_result(drafter, cfg, plan, blocks, b, heads, hidden, device))
     return read_results(results)[0] if read else results
 
 
 def sequence_result(drafter: DFlashDrafter, cfg: TrainConfig, plan: Planned, blocks: Blocks, b: int,
-                    logits_BSV: torch.Tensor, hidden: torch.Tensor, device) -> dict:
-    """Live sequence `b` of a micro-batch: its loss (with grad) and its stats, device tensors not yet read."""
+                    heads: tuple, hidden: torch.Tensor, device) -> dict:
+    """Live sequence `b` of a micro-batch: its loss (with grad) and its stats, device tensors not yet read. The
+    logits are computed a chunk of rows at a time and never kept (train/loss.py)."""
     _, ids_T, _, anchors = plan.live[b]
     k = drafter.block_size
     labels, weights = blocks.targets[b]
     labels, weights = to_device(labels, device), to_device(weights, device)
     n = len(anchors)
-    logits = logits_BSV[b, : n * k]
     hard_weights = weights
     if drafter.draft_vocab_size:  # labels into the draft vocabulary; a token outside it cannot be proposed
         labels, inside = drafter.draft_labels(labels)
         hard_weights = weights * inside
-    ce = torch.nn.functional.cross_entropy(logits.float(), labels.view(-1).clamp(min=0), reduction="none")
+    distill = plan.teachers is not None and cfg.distill_weight > 0
+    hidden_SD = hidden[b, : n * k]
+    terms = head_terms(hidden_SD, heads[0], labels_S=labels.reshape(-1), transform=drafter.unary_logits,
+                       teacher=teacher_rows(drafter, plan.teachers[b], anchors, k, device) if distill else None,
+                       top_c=drafter.selector_top_k if is_dflash2(drafter) else 0)
+    ce = terms.ce
     if cfg.loss == "dpace":  # the weights follow the draft's own (detached) confidence in each label
         weights = hard_weights = dpace_weights(ce.view(n, k), hard_weights > 0, cfg.dpace_alpha).to(weights.dtype)
     weights_S, hard_S = weights.reshape(-1), hard_weights.reshape(-1)
     weighted_ce = (ce * hard_S).sum()
-    if plan.teachers is not None and cfg.distill_weight > 0:
-        soft_ce = distill_ce(drafter, logits, plan.teachers[b], anchors, k)
-        weighted_ce = (1 - cfg.distill_weight) * weighted_ce + cfg.distill_weight * (soft_ce * weights_S).sum()
-    with torch.no_grad():
-        predicted = logits.view(n, k, -1).argmax(-1)  # the drafter's greedy tokens
+    if distill:
+        weighted_ce = (1 - cfg.distill_weight) * weighted_ce + cfg.distill_weight * (terms.soft_ce * weights_S).sum()
+    predicted = terms.predicted.view(n, k)  # the drafter's greedy tokens
     weight = weights_S.sum()
     extra = {}
     if is_dflash2(drafter):  # the selector's loss; its path is what decoding proposes
-        selector = selector_step(drafter, logits, hidden[b, : n * k], blocks.ids_BNK[b, :n, 0], labels, hard_S)
+        selector = selector_step(drafter, terms.candidates, terms.candidate_logits, hidden_SD,
+                                 blocks.ids_BNK[b, :n, 0], labels, hard_S)
         weighted_ce = weighted_ce + cfg.selector_loss_weight * selector.pop("weighted_ce")
         extra = {"recall": selector["recall"], "selector": selector["selector"],
                  "unary_counts": position_counts(predicted, labels, weights)}
@@ -262,8 +266,8 @@ def sequence_result(drafter: DFlashDrafter, cfg: TrainConfig, plan: Planned, blo
             "counts": counts, "accepted": accepted, "tokens": int(ids_T.shape[0]), "anchors": n, **extra}
 
 
-def dspark_result(drafter, cfg: TrainConfig, plan: Planned, blocks: Blocks, b: int, logits_BSV: torch.Tensor,
-                  hidden: torch.Tensor, device, target: Target) -> dict:
+def dspark_result(drafter, cfg: TrainConfig, plan: Planned, blocks: Blocks, b: int, heads: tuple,
+                  hidden: torch.Tensor, device) -> dict:
     """Live sequence `b` under DSpark's loss (DeepSpec loss.py): per slot k, weight w_k = exp(−k/γ) over the leading
     supervised slots; the Markov-corrected logits (the token before each slot teacher-forced: the anchor, then
     the labels) give CE against the label and an L1 distance Σ_v |p_v − q_v| to the target's next-token
@@ -277,17 +281,22 @@ def dspark_result(drafter, cfg: TrainConfig, plan: Planned, blocks: Blocks, b: i
     labels, weights = (to_device(t, device) for t in blocks.targets[b])
     anchor_ids = to_device(blocks.ids_BNK[b, :n, 0], device)
     previous = torch.cat([anchor_ids[:, None], labels[:, :-1]], dim=1)  # the token before each slot, target ids
-    base = logits_BSV[b, : n * k].view(n, k, -1)
-    logits, confidence = drafter.block_logits(base, hidden[b, : n * k].view(n, k, -1), previous)
+    hidden_NKD = hidden[b, : n * k].view(n, k, -1)
+    bias = None
+    if drafter.markov_head is not None:  # its low-rank codes are small (N × K × r); their V-wide bias is per chunk
+        codes_SR = drafter.markov_head.block_codes(hidden_NKD, previous).reshape(n * k, -1)
+        bias = lambda start, stop: drafter.markov_head.markov_w2(codes_SR[start:stop])  # noqa: E731 — a chunk's rows
+    confidence = drafter.confidence_logits(hidden_NKD, previous)
     draft_labels, inside = drafter.draft_labels(labels)
     hard = weights * inside
-    ce = torch.nn.functional.cross_entropy(logits.float().reshape(n * k, -1), draft_labels.reshape(-1).clamp(min=0),
-                                           reduction="none").view(n, k)
+    q = target_probs(drafter, plan, b, blocks.positions_BNK[b, :n], heads, device)
+    terms = head_terms(hidden_NKD.reshape(n * k, -1), heads[0], labels_S=draft_labels.reshape(-1), bias=bias,
+                       target_probs=q)
+    ce = terms.ce.view(n, k)
     weighted = cfg.dspark_ce_weight * (ce * hard).sum()
     extra = {}
-    q = target_distribution(drafter, plan, b, blocks.positions_BNK[b, :n], target, device)
     if q is not None:
-        l1 = l1_distance(torch.softmax(logits.float(), dim=-1), q)
+        l1 = terms.l1.view(n, k)
         overlap = (1 - l1 / 2).clamp(0.0, 1.0).detach()  # Σ min(p, q): the chance the slot's draft is accepted
         weighted = weighted + cfg.dspark_l1_weight * (l1 * weights).sum()
         if confidence is not None:
@@ -298,7 +307,7 @@ def dspark_result(drafter, cfg: TrainConfig, plan: Planned, blocks: Blocks, b: i
                 extra["calibration"] = torch.stack([torch.sigmoid(confidence)[live_slots].sum(),
                                                     overlap[live_slots].sum(), live_slots.sum()])
     with torch.no_grad():  # the slots as block positions 1 … K behind a given anchor column, as DFlash counts them
-        predicted = logits.argmax(-1)
+        predicted = terms.predicted.view(n, k)
         zero = torch.zeros_like(predicted[:, :1])
         predicted, draft_labels = torch.cat([zero, predicted], 1), torch.cat([zero, draft_labels], 1)
         padded_weights = torch.cat([torch.zeros_like(weights[:, :1]), hard], 1)
@@ -309,35 +318,24 @@ def dspark_result(drafter, cfg: TrainConfig, plan: Planned, blocks: Blocks, b: i
             "accepted": accepted, "tokens": int(ids_T.shape[0]), "anchors": n, **extra}
 
 
-def target_distribution(drafter, plan: Planned, b: int, positions_NK: torch.Tensor, target: Target, device):
-    """The target's next-token distribution at each block slot (after position p + k), over the draft vocabulary
-    (N × K × V′, its mass outside it left out), or None when the plan holds none. Online: softmax of the target's
-    LM head on its kept last hidden states. Offline: the cache's top-k log-probabilities, renormalised (the mass
-    outside the top-k is taken as 0, DSpark's L1 on an offline cache is the top-k's)."""
+def target_probs(drafter, plan: Planned, b: int, positions_NK: torch.Tensor, heads: tuple, device):
+    """`target_probs` for `head_terms`: the target's next-token distribution at each block slot (after position
+    p + k), over the draft vocabulary (its mass outside it left out), or None when the plan holds none. Online: the
+    softmax of the target's LM head (its copy beside the drafter) on its kept last hidden states, a chunk of rows at
+    a time. Offline: the cache's top-k log-probabilities, renormalised (the mass outside the top-k is taken as 0,
+    DSpark's L1 on an offline cache is the top-k's)."""
     if plan.hidden is not None:
         hidden_TD = plan.hidden[b]
-        rows = hidden_TD[to_device(positions_NK, hidden_TD.device)]
-        with torch.no_grad():
-            full = torch.softmax(target.lm_head(rows).float(), dim=-1)
+        rows = to_device(hidden_TD[to_device(positions_NK, hidden_TD.device)].reshape(-1, hidden_TD.shape[-1]), device)
         ids = drafter.draft_ids()
-        full = full if ids is None else full[..., to_device(ids, full.device)]
-        return to_device(full, device)
+        return target_probs_from_hidden(rows, heads[1], None if ids is None else to_device(ids, device))
     if plan.teachers is None:
         return None
     teacher_ids, teacher_logprobs = plan.teachers[b]
     rows = positions_NK.reshape(-1)
-    ids = to_device(teacher_ids[rows], device)
-    probs = torch.softmax(to_device(teacher_logprobs[rows], device).float(), dim=-1)
-    ids, inside = drafter.draft_labels(ids)
-    vocab = drafter.draft_vocab_size or drafter.config.vocab_size
-    q = torch.zeros(rows.shape[0], vocab, device=device)
-    q.scatter_add_(1, ids.clamp(min=0), probs * inside)
-    return q.view(*positions_NK.shape, vocab)
-
-
-def l1_distance(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
-    """Σ_v |p_v − q_v| over the draft vocabulary, plus the target's mass outside it (where p is 0)."""
-    return (p - q).abs().sum(-1) + (1 - q.sum(-1)).clamp(min=0)
+    ids, inside = drafter.draft_labels(to_device(teacher_ids[rows], device))
+    return target_probs_from_topk(ids, inside, to_device(teacher_logprobs[rows], device),
+                                  drafter.draft_vocab_size or drafter.config.vocab_size)
 
 
 def _halves(v: list) -> list[float]:
@@ -384,45 +382,42 @@ def read_once(tensors: list[torch.Tensor]) -> list[list[float]]:
     return values
 
 
-def selector_step(drafter, unary_SV, hidden_SD, anchor_ids_N, labels_NK, weights_S) -> dict:
-    """DFlash2's candidate selector over one sequence's blocks: Σ CE·w over the unary top-K′ at each slot, the
-    token before it teacher-forced to its label (the anchor before slot 1), so while a greedy walk is still right
-    its path is exactly this one. A label outside the top-K′ adds nothing (SpecForge's choice; speculators swaps
-    it in for the K′-th candidate instead): decoding could not propose it either. Counted: `recall` (labels
-    inside the top-K′, of the supervised ones) and `selector` (the selector's pick right, of those inside)."""
+def selector_step(drafter, candidates_SC, candidate_logits_SC, hidden_SD, anchor_ids_N, labels_NK, weights_S) -> dict:
+    """DFlash2's candidate selector over one sequence's blocks: Σ CE·w over the unary top-K′ at each slot (the
+    candidates and their unary logits, from `head_terms`), the token before it teacher-forced to its label (the
+    anchor before slot 1), so while a greedy walk is still right its path is exactly this one. A label outside the
+    top-K′ adds nothing (SpecForge's choice; speculators swaps it in for the K′-th candidate instead): decoding could
+    not propose it either. Counted: `recall` (labels inside the top-K′, of the supervised ones) and `selector` (the
+    selector's pick right, of those inside)."""
     n, k = labels_NK.shape
-    device = unary_SV.device
+    device = candidates_SC.device
     anchor = to_device(anchor_ids_N, device)[:, None]
     labels_NK = to_device(labels_NK, device)
     previous = torch.cat([anchor, anchor, labels_NK[:, 1:-1]], dim=1).reshape(-1)  # N × K
-    candidates, scores = drafter.selector_scores(unary_SV, hidden_SD, previous)
-    gold = candidates == labels_NK.reshape(-1, 1)
+    scores = drafter.candidate_selector.scores_of(candidates_SC, candidate_logits_SC, hidden_SD, previous)
+    gold = candidates_SC == labels_NK.reshape(-1, 1)
     inside = gold.any(-1)
     ce = torch.nn.functional.cross_entropy(scores.float(), gold.int().argmax(-1), reduction="none")
     weighted_ce = (ce * inside * weights_S).sum()
     with torch.no_grad():  # counts as device tensors: the step reads them with everything else (read_results)
-        path = candidates.gather(-1, scores.argmax(-1, keepdim=True)).view(n, k)
+        path = candidates_SC.gather(-1, scores.argmax(-1, keepdim=True)).view(n, k)
         supervised = to_device(weights_S, device) > 0
         inside, right = inside & supervised, (path.view(-1) == labels_NK.reshape(-1)) & supervised
     return {"weighted_ce": weighted_ce, "path": path, "recall": torch.stack([inside.sum(), supervised.sum()]),
             "selector": torch.stack([(right & inside).sum(), inside.sum()])}
 
 
-def distill_ce(drafter: DFlashDrafter, logits_SV: torch.Tensor, teacher: tuple, anchors_N: torch.Tensor,
-               k: int) -> torch.Tensor:
-    """Per block position (S): cross-entropy against the target's own next-token distribution (its top-k,
-    renormalised over the tokens the drafter can propose). Block position j of the block at anchor a predicts
-    the token at a + j: the target's distribution for it is the one after position a + j − 1."""
+def teacher_rows(drafter: DFlashDrafter, teacher: tuple, anchors_N: torch.Tensor, k: int, device) -> tuple:
+    """The target's top-k for each block position (S × k ids in the draft vocabulary, −1 outside it; log-probs),
+    for distillation (`head_terms`' soft cross-entropy). Block position j of the block at anchor a predicts the token
+    at a + j: the target's distribution for it is the one after position a + j − 1."""
     teacher_ids, teacher_logprobs = teacher
     before = (anchors_N[:, None] + torch.arange(k)[None, :] - 1).clamp(min=0).view(-1)  # S
-    device = logits_SV.device  # the cache's rows go there first: the draft vocabulary's map lives there
+    # the cache's rows go to the drafter's device first: the draft vocabulary's map lives there
     ids, logprobs = to_device(teacher_ids[before], device), to_device(teacher_logprobs[before], device)  # S × topk
     if drafter.draft_vocab_size:
-        ids, inside = drafter.draft_labels(ids)
-        logprobs = logprobs.masked_fill(~inside, float("-inf"))
-    probs = torch.softmax(logprobs.float(), dim=-1).nan_to_num(0.0)  # no token inside: no mass
-    student = torch.log_softmax(logits_SV.float(), dim=-1).gather(1, ids.clamp(min=0))
-    return -(probs * student).sum(-1)
+        ids, _ = drafter.draft_labels(ids)
+    return ids, logprobs
 
 
 def _padded(features_CF: torch.Tensor, length: int) -> torch.Tensor:

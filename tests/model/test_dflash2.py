@@ -89,6 +89,12 @@ def test_many_blocks_in_one_pass_equal_each_block_alone():
         assert torch.allclose(together[:, n * K : (n + 1) * K], alone, atol=1e-5), n
 
 
+def top(drafter, unary):
+    """The unary top-K′ and their logits, as the loss hands them to the selector."""
+    candidates = unary.detach().topk(drafter.selector_top_k, dim=-1).indices
+    return candidates, unary.gather(-1, candidates)
+
+
 def test_gradients_reach_every_convolution_and_selector_tensor():
     drafter = dflash2()
     torch.manual_seed(5)
@@ -101,7 +107,7 @@ def test_gradients_reach_every_convolution_and_selector_tensor():
     labels = unary.detach().topk(3, dim=-1).indices[:, 2].view(2, K)  # inside the top-5, not the argmax
     weights = torch.ones(2 * K)
     weights[:: K] = 0
-    result = selector_step(drafter, unary, hidden[0], torch.tensor([3, 4]), labels, weights)
+    result = selector_step(drafter, *top(drafter, unary), hidden[0], torch.tensor([3, 4]), labels, weights)
     result["weighted_ce"].backward()
     for name in ("layers.0.attention_conv.base_kernel", "layers.1.mlp_conv.kernel_projection.weight",
                  "candidate_selector.predecessor_codebook", "candidate_selector.successor_codebook",
@@ -119,10 +125,10 @@ def test_a_label_outside_the_top_k_adds_nothing_and_is_counted():
     inside, outside = ranked[:, 1], ranked[:, 50]  # rank 1 is in the top-5, rank 50 is not
     weights = torch.tensor([0.0, 1.0, 1.0, 1.0])
     mixed = torch.stack([inside[0], inside[1], outside[2], inside[3]])[None]
-    result = selector_step(drafter, unary, hidden, torch.tensor([3]), mixed, weights)
+    result = selector_step(drafter, *top(drafter, unary), hidden, torch.tensor([3]), mixed, weights)
     assert result["recall"].tolist() == [2, 3]  # slots 1 and 3 of the three supervised
     only_outside = torch.stack([inside[0], outside[1], outside[2], outside[3]])[None]
-    nothing = selector_step(drafter, unary, hidden, torch.tensor([3]), only_outside, weights)
+    nothing = selector_step(drafter, *top(drafter, unary), hidden, torch.tensor([3]), only_outside, weights)
     assert float(nothing["weighted_ce"].detach()) == 0.0
     assert nothing["recall"].tolist() == [0, 3] and nothing["selector"].tolist() == [0, 0]
     assert float(result["weighted_ce"].detach()) > 0
