@@ -38,6 +38,7 @@ from flashdraft.config import TrainConfig
 from flashdraft.model.target import Target
 from flashdraft.progress import progress
 from flashdraft.train.distributed import Placement, barrier
+from flashdraft.train.loss import chunk_rows_for
 
 DATA, INDEX = "features.bin", "index.json"
 TEACHER_IDS, TEACHER_LOGPROBS = "teacher_ids.bin", "teacher_logprobs.bin"
@@ -170,11 +171,12 @@ def _fill(files: dict, batch: list[int], starts: list[int], lengths: list[int], 
             continue
         mask = torch.as_tensor(samples[b]["loss_mask"][: lengths[i]]).bool()
         read = torch.nonzero(mask[1:], as_tuple=True)[0]  # positions p with a supervised token at p + 1
-        if len(read):
-            logprobs = torch.log_softmax(target.lm_head(output.last_hidden_state[b, read]).float(), dim=-1)
+        # a chunk of rows at a time: a whole sample's logits are rows × vocabulary (2K × 248K floats: 2 GB)
+        for part in read.split(chunk_rows_for(target.config.vocab_size)):
+            logprobs = torch.log_softmax(target.lm_head(output.last_hidden_state[b, part]).float(), dim=-1)
             top = logprobs.topk(topk, dim=-1)
-            files[TEACHER_IDS][starts[i] + read.numpy()] = top.indices.to("cpu", torch.int32).numpy()
-            files[TEACHER_LOGPROBS][starts[i] + read.numpy()] = top.values.to("cpu", torch.float16).numpy()
+            files[TEACHER_IDS][starts[i] + part.numpy()] = top.indices.to("cpu", torch.int32).numpy()
+            files[TEACHER_LOGPROBS][starts[i] + part.numpy()] = top.values.to("cpu", torch.float16).numpy()
 
 
 def offline_features(cfg: TrainConfig, data: Path, out: Path, target: Target, target_path: str, dataset,

@@ -31,9 +31,9 @@ from torch.utils.checkpoint import checkpoint
 CHUNK_BYTES = 256 * 2**20
 
 
-def chunk_rows_for(vocab: int, budget: int = CHUNK_BYTES) -> int:
-    """Rows a chunk may hold so that its float32 logits fit `budget` bytes (at least one row)."""
-    return max(1, budget // (4 * vocab))
+def chunk_rows_for(vocab: int, budget: int | None = None) -> int:
+    """Rows a chunk may hold so that its float32 logits fit `budget` bytes (`CHUNK_BYTES`; at least one row)."""
+    return max(1, (budget or CHUNK_BYTES) // (4 * vocab))
 
 
 @dataclass
