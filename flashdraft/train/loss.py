@@ -27,8 +27,10 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 # One chunk's float32 logits at most this size: the loss holds about four of them at its peak (logits, their
-# float32 copy or softmax, and in the backward their gradient), so ~1 GiB whatever the vocabulary.
-CHUNK_BYTES = 256 * 2**20
+# float32 copy or softmax, and in the backward their gradient), so ~¼ GiB whatever the vocabulary. Small enough
+# that a sequence of a few hundred scored rows is already chunked (its peak is then the same at 512 scored rows as
+# at 8,192); large enough that a chunk is still a large matrix product on a GPU (Qwen3.6-27B: 67 × 5,120 × 248,320).
+CHUNK_BYTES = 64 * 2**20
 
 
 def chunk_rows_for(vocab: int, budget: int | None = None) -> int:

@@ -31,7 +31,7 @@ from flashdraft.model.objective import (
 )
 from flashdraft.model.target import Target
 from flashdraft.model.transfer import to_device
-from flashdraft.train.loss import head_terms, target_probs_from_hidden, target_probs_from_topk
+from flashdraft.train.loss import chunk_rows_for, head_terms, target_probs_from_hidden, target_probs_from_topk
 from flashdraft.train.metrics import json_rates, mean_rates, selector_metrics
 
 # Under CPU autocast (`train.bf16`) a norm gets bfloat16 input and keeps its float32 weight; torch then computes
@@ -170,7 +170,8 @@ def target_pass(target: Target, ids_BT: torch.Tensor, context_len: int, want_lab
     kept = hidden if want_hidden else None
     if not want_labels:
         return features[:, :context_len], None, kept
-    following = torch.cat([target.lm_head(hidden[:, i : i + 256]).argmax(-1) for i in range(0, hidden.shape[1], 256)],
+    span = max(1, chunk_rows_for(target.config.vocab_size) // hidden.shape[0])  # positions a slice: one loss chunk
+    following = torch.cat([target.lm_head(hidden[:, i : i + span]).argmax(-1) for i in range(0, hidden.shape[1], span)],
                           dim=1).cpu()
     return features[:, :context_len], torch.cat([ids_BT[:, :1].cpu(), following], dim=1), kept
 

@@ -1,6 +1,9 @@
 """The loss over the LM head a chunk of rows at a time (train/loss.py) equals the dense computation — every term
 and its gradients — and a training step's result does not depend on the chunk size, for every objective."""
 
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -151,3 +154,59 @@ def test_a_steps_loss_and_gradients_do_not_depend_on_the_chunk(tiny_target, tiny
     assert len(whole[2]) == len(in_chunks[2]) > 0
     for a, b in zip(whole[2], in_chunks[2], strict=True):
         assert close(a, b)
+
+
+@pytest.mark.slow
+def test_a_steps_peak_memory_does_not_grow_with_scored_rows_times_vocabulary(tmp_path):
+    """One step of a random target with Qwen3.6's 248,320-token untied head, 1,024-token samples, the target's labels,
+    micro_batch 4, block 16: from 512 to 2,048 scored rows a micro-batch the peak grows by far less than a float32
+    vocabulary row per added row (the dense loss: about 3), and the held-out walk and the offline cache with the
+    top 16 stay within a chunk's reach of it."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))  # the benchmark's own helpers
+    from memory_bench import qwen36_vocab_target, samples
+    from memory_counter import MemoryCounter
+
+    from flashdraft.artifact.manifest import Lineage
+    from flashdraft.config import TrainConfig
+    from flashdraft.train.feature_cache import build_or_reuse
+    from flashdraft.train.step import serving_walk
+
+    vocab, length = 248_320, 1024  # Qwen3.6's vocabulary
+    path = qwen36_vocab_target(tmp_path / "target", vocab)
+    target = Target(path, "cpu", quiet)
+    drafter = DFlashDrafter(draft_config(target.config, num_layers=1, block_size=16, mask_token_id=0))
+    target.watch(drafter.target_layer_ids)
+    rows = samples(vocab, length, 4)
+    peaks = {}
+    for scored in (512, 2048):
+        cfg = TrainConfig(target=path, block_size=16, max_anchors=scored // 64, micro_batch=4, batch_size=4,
+                          labels="target", max_length=length)
+        with MemoryCounter() as counter:
+            results = batch_step(drafter, target, rows, cfg, [torch.Generator().manual_seed(i) for i in range(4)],
+                                 "cpu")
+            sum(r["weighted_ce"] for r in results if r).backward()
+        peaks[scored] = counter.peak_bytes
+        assert all(r["anchors"] == scored // 64 for r in results)
+        drafter.zero_grad(set_to_none=True)
+        del results
+    row_bytes = 4 * vocab
+    assert (peaks[2048] - peaks[512]) / 1536 < 0.25 * row_bytes, peaks
+
+    with MemoryCounter() as dense:  # what the counter sees of the dense loss: the test can tell the two apart
+        x = torch.randn(512, 64, requires_grad=True)
+        torch.nn.functional.cross_entropy(x @ target.lm_head.weight.T, torch.zeros(512, dtype=torch.long)).backward()
+    assert dense.peak_bytes > 2.5 * 512 * row_bytes
+
+    walked_mask = torch.zeros(length, dtype=torch.long)
+    walked_mask[-300:] = 1  # 300 blocks in one pass of the walk: 4,800 rows
+    with MemoryCounter() as walk:
+        serving_walk(drafter, target, rows[0][0], walked_mask, cfg, "cpu")
+    import datasets
+
+    dataset = datasets.Dataset.from_dict({"input_ids": [r[0].tolist() for r in rows],
+                                          "loss_mask": [r[1].tolist() for r in rows]})
+    with MemoryCounter() as cache:
+        build_or_reuse(tmp_path / "features", target, dataset, length, Lineage(config="memory"), topk=16, log=quiet)
+    # a whole sample's logits would be 1,024 × 248,320 × 4 bytes = 1 GB, the walk's 4,800 rows 4.8 GB
+    assert walk.peak_bytes < peaks[2048] + 2**28 and cache.peak_bytes < peaks[2048] + 2**27, (walk.peak_bytes,
+                                                                                               cache.peak_bytes)
