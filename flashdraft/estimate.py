@@ -24,6 +24,10 @@ from flashdraft.model.drafter import uniform_layer_ids
 from flashdraft.model.target import linear_attention_layers
 from flashdraft.train.feature_cache import TEACHER_BYTES, feature_bytes
 
+# A Gated-DeltaNet layer's shape: TargetShape's field ← the config's key (Qwen3.5/3.6)
+LINEAR_ATTENTION_KEYS = {"linear_key_heads": "linear_num_key_heads", "linear_value_heads": "linear_num_value_heads",
+                         "linear_key_dim": "linear_key_head_dim", "linear_value_dim": "linear_value_head_dim",
+                         "linear_conv_kernel": "linear_conv_kernel_dim"}
 CHARS_PER_TOKEN = 4.0  # fallback when the tokenizer is not on this machine
 TEMPLATE_TOKENS_PER_MESSAGE = 5  # chat-template scaffolding (role header, end-of-turn) per message
 JSON_BYTES_PER_TOKEN_ID = 7  # "123456, " in a completion record's token_ids list
@@ -63,13 +67,25 @@ class TargetShape:
     vocab: int
     source: str
     linear_attention_layers: int = 0  # a hybrid's Gated-DeltaNet layers
+    # a Gated-DeltaNet layer's shape (transformers' Qwen3.5 defaults where its config does not say)
+    linear_key_heads: int = 16
+    linear_value_heads: int = 32
+    linear_key_dim: int = 128
+    linear_value_dim: int = 128
+    linear_conv_kernel: int = 4
+    gated_attention: bool = False  # Qwen3.5/3.6's full attention: q_proj also gives a gate (2 × heads × head_dim)
 
     @classmethod
     def from_config(cls, c, source: str) -> TargetShape:
         c = getattr(c, "text_config", None) or c  # multimodal configs keep the LM under text_config
         get = c.get if isinstance(c, dict) else (lambda k, d=None: getattr(c, k, d))
         heads = get("num_attention_heads")
+        hybrid = linear_attention_layers(c) > 0
+        linear = {field: get(key) for field, key in LINEAR_ATTENTION_KEYS.items() if get(key) is not None}
         return cls(
+            **linear,
+            # Qwen3.5/3.6 gate their full attention unless the config says otherwise (`attn_output_gate`)
+            gated_attention=bool(get("attn_output_gate", hybrid)),
             layers=get("num_hidden_layers"),
             hidden=get("hidden_size"),
             intermediate=get("intermediate_size"),
@@ -167,14 +183,81 @@ def target_params(ref: str, config_file: Path | None, shape: TargetShape) -> tup
             model = AutoModelForCausalLM.from_config(config)
         return sum(p.numel() for p in model.parameters()), "counted from its config"
     except Exception:  # noqa: BLE001 — any config this transformers cannot build: the shape's count instead
-        return (shape.layers * layer_params(shape) + 2 * shape.vocab * shape.hidden,
-                "from its shape: dense decoder layers, embedding and head")
+        return shape_params(shape), "from its layer shapes" + (
+            f" ({shape.linear_attention_layers} Gated-DeltaNet, {shape.layers - shape.linear_attention_layers} gated "
+            "full attention)" if shape.linear_attention_layers else "")
+
+
+def shape_params(shape: TargetShape) -> int:
+    """A (dense) target's parameters from its shape: each decoder layer as its kind is built (a hybrid's Gated-DeltaNet
+    layers and its gated full attention, else q, k, v, o), the MLPs, the norms, the embedding and an untied head."""
+    full = shape.layers - shape.linear_attention_layers
+    return (full * target_layer_params(shape) + shape.linear_attention_layers * linear_layer_params(shape)
+            + shape.hidden + 2 * shape.vocab * shape.hidden)
 
 
 def layer_params(shape: TargetShape) -> int:
-    """The matrices of one decoder layer of the target's shape: q, k, v, o and the gated MLP."""
+    """The matrices of one decoder layer of the target's shape: q, k, v, o and the gated MLP (a draft layer)."""
     attention = shape.hidden * shape.head_dim * (2 * shape.heads + 2 * shape.kv_heads)
     return attention + 3 * shape.hidden * shape.intermediate
+
+
+def target_layer_params(shape: TargetShape) -> int:
+    """One full-attention layer of the target as built: its q_proj twice as wide when gated, q/k norms, two norms."""
+    gate = shape.hidden * shape.heads * shape.head_dim if shape.gated_attention else 0
+    return layer_params(shape) + gate + 2 * shape.head_dim + 2 * shape.hidden
+
+
+def linear_layer_params(shape: TargetShape) -> int:
+    """One Gated-DeltaNet layer (transformers' Qwen3.5): in_proj_qkv, in_proj_z, in_proj_a/b, out_proj, the causal
+    convolution over q, k and v, per-head A_log and dt_bias, the gated norm, the MLP and two norms."""
+    keys = shape.linear_key_heads * shape.linear_key_dim
+    values = shape.linear_value_heads * shape.linear_value_dim
+    qkv = 2 * keys + values
+    return (shape.hidden * (qkv + values + 2 * shape.linear_value_heads) + values * shape.hidden
+            + qkv * shape.linear_conv_kernel + 2 * shape.linear_value_heads + shape.linear_value_dim
+            + 3 * shape.hidden * shape.intermediate + 2 * shape.hidden)
+
+
+def drafter_step_bytes(shape: TargetShape, tr: TrainConfig, micro: int, n_features: int, cuda: bool,
+                       context: int | None = None, rows: int | None = None) -> dict[str, int]:
+    """What one training step adds to the drafter's device at its peak, over the weights: the draft layers'
+    activations saved for the backward, the loss's chunk (train/loss.py), the target's features and the blocks.
+
+    Per draft layer and scored row: the residual stream and both norms' outputs (4·D), q before and after its norm
+    and rotation and the attention's output before o_proj (4·h·e), k (g·e), the MLP's gate, activation, up and
+    product (4·I); per context position k (g·e); per key (context and blocks) k and v (2·g·e); on a CPU, SDPA also
+    expands k and v to every head (2·h·e a key) and turns the boolean mask into a float one (4 bytes a row a key).
+    CUDA trains in bfloat16 under FlexAttention's block mask: 2 bytes an element, no mask, no expansion. The loss
+    holds three copies of a chunk's float32 logits in float32 (four under bfloat16). `context` and `rows`: a
+    sequence's, by default the longest (max_length − block_size) and the most scored (max_anchors × block_size)."""
+    context = tr.max_length - tr.block_size if context is None else context
+    rows = tr.max_anchors * tr.block_size if rows is None else rows
+    from flashdraft.train.loss import chunk_rows_for
+
+    d, e, h, g, i = shape.hidden, shape.head_dim, shape.heads, shape.kv_heads, shape.intermediate
+    keys = context + rows
+    width = 2 if cuda else 4  # bytes an activation element
+    per_row = 4 * d + 4 * h * e + g * e + 4 * i
+    per_key = 2 * g * e + (0 if cuda else 2 * h * e)
+    layer = micro * (rows * per_row + context * g * e + keys * per_key) * width
+    mask = 0 if cuda else micro * rows * keys * 4  # the float mask SDPA makes of the boolean one, a layer
+    vocab = tr.draft_vocab_size or shape.vocab
+    loss = (4 if cuda else 3) * min(rows, chunk_rows_for(vocab)) * vocab * 4
+    # the blocks' embeddings, the final norm's input and output; the features (float32), fc's output, the context
+    fixed = micro * (3 * rows * d * width + context * n_features * d * 4 + 3 * context * d * width
+                     + rows * keys)  # the boolean mask
+    activations = tr.num_layers * (layer + mask) + fixed
+    return {"activations": activations, "loss": loss, "total": activations + loss}
+
+
+def target_pass_bytes(shape: TargetShape, tokens: int, n_features: int, cuda: bool) -> int:
+    """A target pass without gradients over `tokens` tokens (a micro-batch): at its peak the watched layers' features
+    kept (n·D a token), the residual stream and the layer's norm and output (3·D), an MLP's gate, up and product (3·I)
+    and attention's q, k, v and output (4·h·e + g·e); bfloat16 on CUDA, float32 on a CPU."""
+    per_token = (n_features * shape.hidden + 3 * shape.hidden + 3 * shape.intermediate
+                 + 4 * shape.heads * shape.head_dim + shape.kv_heads * shape.head_dim)
+    return tokens * per_token * (2 if cuda else 4)
 
 
 def drafter_params(shape: TargetShape, num_layers: int, n_features: int, tr: TrainConfig | None = None) -> int:
@@ -251,20 +334,34 @@ def estimate(
     longest_sample = prompt_tokens + g.max_new_tokens
     cut_share = max(0.0, (longest_sample - t.max_length) / g.max_new_tokens)
     hours = steps * step_s / 3600
-    # GPU memory, from the shapes (not measured on a GPU): what a process holds beside activations
+    # GPU memory by device, from the shapes (the formula is held to measured peaks: tests/test_estimate.py)
     total_params, counted = target_params(tr.target, target_config, shape)
     head_params = 2 * shape.vocab * shape.hidden  # embedding and LM head (counted twice when tied: an upper bound)
-    rows = tr.max_anchors * tr.block_size  # block positions one sequence scores
-    scored_vocab = tr.draft_vocab_size or shape.vocab
     micro = min(tr.micro_batch, tr.batch_size)
+    target_devices = len(tr.target_device.split(",")) if tr.target_device else 1
+    step = drafter_step_bytes(shape, tr, micro, len(layer_ids), cuda=True)
+    # bfloat16 on a GPU; with the engine as the feature source the trainer holds the embedding and head only
+    target_bytes = 2 * (head_params if tr.feature_source == "engine" else total_params)
+    target_pass = 0 if tr.feature_source == "engine" else target_pass_bytes(shape, micro * tr.max_length,
+                                                                            len(layer_ids), cuda=True)
+    # the LM head beside the drafter: the rows it scores, and the whole head where an objective reads the target's
+    # distribution (DSpark's terms) and it is not the same tensor
+    head_copy = 2 * shape.hidden * ((tr.draft_vocab_size or shape.vocab)
+                                    + (shape.vocab if tr.draft_vocab_size and tr.architecture == "dspark" else 0))
     gpu = {
         "target_params": total_params,
         "target_params_from": counted,
-        # bfloat16 on a GPU; with the engine as the feature source the trainer holds the embedding and head only
-        "target_bytes": 2 * (head_params if tr.feature_source == "engine" else total_params),
+        "target_bytes": target_bytes,
+        "target_devices": target_devices,
+        "target_pass_bytes": target_pass,
+        # each of target_device's GPUs: its share of the weights and the pass's transient peak
+        "target_device_bytes": target_bytes // target_devices + target_pass,
         "drafter_state_bytes": params * DRAFTER_STATE_BYTES_PER_PARAM,
-        # bfloat16 logits of a micro-batch and their gradient, and one sequence's float32 copy and its gradient
-        "logits_bytes": micro * rows * scored_vocab * 2 * 2 + rows * scored_vocab * 4 * 2,
+        "head_copy_bytes": head_copy,
+        "activation_bytes": step["activations"],
+        "loss_bytes": step["loss"],
+        # a drafter GPU (one per training process): state, the head's copy and the step's peak
+        "drafter_device_bytes": params * DRAFTER_STATE_BYTES_PER_PARAM + head_copy + step["total"],
         "micro_batch": micro,
     }
     fits = None
@@ -363,19 +460,23 @@ def describe(est: dict[str, Any], cfg: PipelineConfig) -> list[str]:
 
 
 def gpu_lines(est: dict[str, Any], cfg: PipelineConfig) -> list[str]:
-    """GPU memory a training process needs beside activations, per part and per placement."""
+    """GPU memory per device at a training step's peak, by part."""
     b, g, tr = human_bytes, est["gpu_memory"], cfg.train
-    drafter = g["drafter_state_bytes"] + g["logits_bytes"]
     target = ("its embedding and LM head only (the engine holds the layers)" if tr.feature_source == "engine" else
               f"{g['target_params'] / 1e9:,.1f}B parameters, {g['target_params_from']}")
+    spread = (f"over the {g['target_devices']} GPUs target_device lists" if g["target_devices"] > 1 else
+              "on one GPU (target_device may list several)")
     return [
-        f"GPU memory, target: {b(g['target_bytes'])} of bfloat16 weights a process ({target}); "
-        + ("spread over the GPUs target_device lists" if tr.target_device and "," in tr.target_device else
-           "one GPU holds it unless target_device lists several"),
-        f"GPU memory, drafter: ≈ {b(drafter)} — {b(g['drafter_state_bytes'])} of weights, gradients and AdamW state, "
-        f"{b(g['logits_bytes'])} of block logits at micro_batch {g['micro_batch']} (max_anchors × block_size × "
-        f"{tr.draft_vocab_size or est['target']['vocab']:,} vocabulary; micro_batch 1 or draft_vocab_size cuts it), "
-        "plus activations; estimated from the shapes, not measured on a GPU",
+        f"GPU memory, each target GPU: ≈ {b(g['target_device_bytes'])} — {b(g['target_bytes'])} of bfloat16 weights "
+        f"({target}) {spread}"
+        + (f", and {b(g['target_pass_bytes'])} for its pass over a micro-batch of {g['micro_batch']} × "
+           f"{tr.max_length:,} tokens" if g["target_pass_bytes"] else ""),
+        f"GPU memory, each drafter GPU (one a training process): ≈ {b(g['drafter_device_bytes'])} — "
+        f"{b(g['drafter_state_bytes'])} of weights, gradients and AdamW state, {b(g['head_copy_bytes'])} for its copy "
+        f"of the LM head, {b(g['activation_bytes'])} of activations at micro_batch {g['micro_batch']} × "
+        f"{tr.max_anchors * tr.block_size:,} scored rows (micro_batch scales them), {b(g['loss_bytes'])} for the loss "
+        "(a chunk of rows at a time, whatever the rows); bfloat16, FlexAttention (the formula is held to peaks "
+        "measured on a CPU; written, not yet checked against a GPU)",
     ]
 
 

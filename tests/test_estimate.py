@@ -241,3 +241,82 @@ def test_estimate_refuses_a_mean_or_budget_that_is_no_number_of_it(cli, tmp_path
     proc = cli("estimate", str(EXAMPLES / "qwen3-8b.yaml"), "--num-prompts", "10", "--target-config", str(target),
                "--train-hours", "nan")  # and through the command: one line, exit 1
     assert proc.returncode == 1 and "--train-hours" in proc.stderr and "Traceback" not in proc.stderr
+
+
+@pytest.mark.parametrize(("hidden", "intermediate", "length", "anchors", "layers"),
+                         [(64, 128, 512, 16, 2), (128, 256, 1024, 32, 1), (64, 128, 512, 32, 3)])
+def test_the_gpu_memory_formula_holds_to_the_peaks_measured_at_small_shapes(tmp_path, hidden, intermediate, length,
+                                                                          anchors, layers):
+    """The drafter device's step (offline features: the drafter's side alone) and the target device's pass, each
+    measured on a CPU (every tensor counted while it lives, saved-for-backward ones included), against the formulas
+    `estimate` prints the reference run's GPUs from, evaluated with the CPU's terms: within 10 % each."""
+    import sys
+
+    import torch
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    from flashdraft.config import TrainConfig
+    from flashdraft.estimate import TargetShape, drafter_step_bytes, target_pass_bytes
+    from flashdraft.model.drafter import DFlashDrafter, draft_config
+    from flashdraft.model.target import Target
+    from flashdraft.train.step import batch_step, plan_batch, target_pass
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    from memory_counter import MemoryCounter
+
+    torch.manual_seed(0)
+    config = Qwen3Config(vocab_size=4096, hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=4,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=2048,
+                         tie_word_embeddings=False)
+    Qwen3ForCausalLM(config).save_pretrained(tmp_path)
+    target = Target(str(tmp_path), "cpu", lambda s: None)
+    drafter = DFlashDrafter(draft_config(target.config, num_layers=layers, block_size=16, mask_token_id=0))
+    target.watch(drafter.target_layer_ids)
+    micro, rows = 2, []
+    for _ in range(micro):
+        mask = torch.ones(length, dtype=torch.long)
+        mask[: length // 4] = 0
+        rows.append((torch.randint(0, 4096, (length,)), mask))
+    features = [target.features(ids[None])[0] for ids, _ in rows]
+    cfg = TrainConfig(target=str(tmp_path), num_layers=layers, block_size=16, max_anchors=anchors, micro_batch=micro,
+                      batch_size=micro, max_length=length, bf16=False)
+    plan = plan_batch(target, rows, cfg, [torch.Generator().manual_seed(i) for i in range(micro)], 16, features)
+    target.heads_beside(drafter, "cpu")
+    with MemoryCounter() as step:
+        results = batch_step(drafter, target, [], cfg, [], "cpu", planned=plan)
+        sum(r["weighted_ce"] for r in results if r).backward()
+    shape = TargetShape.from_config(target.config, "test")
+    n = len(drafter.target_layer_ids)
+    formula = drafter_step_bytes(shape, cfg, micro, n, cuda=False, context=plan.context_len, rows=anchors * 16)
+    assert abs(formula["total"] / step.peak_bytes - 1) < 0.10, (formula, step.peak_bytes)
+
+    with MemoryCounter() as target_side:
+        target_pass(target, torch.stack([ids for ids, _ in rows]), length, False)
+    assert abs(target_pass_bytes(shape, micro * length, n, cuda=False) / target_side.peak_bytes - 1) < 0.10
+
+
+def test_a_hybrid_targets_parameters_are_counted_from_its_real_layer_shapes():
+    """Gated-DeltaNet and gated full-attention layers counted as transformers builds them (on the meta device), and
+    the 27B's shape gives its published size, not the 24.4B of dense attention layers."""
+    import torch
+    from transformers import AutoModelForCausalLM, Qwen3_5TextConfig
+
+    from flashdraft.estimate import TargetShape, shape_params, target_params
+
+    config = Qwen3_5TextConfig(hidden_size=96, intermediate_size=160, num_hidden_layers=8, num_attention_heads=4,
+                               num_key_value_heads=2, head_dim=32, vocab_size=1000,
+                               layer_types=(["linear_attention"] * 3 + ["full_attention"]) * 2,
+                               linear_num_value_heads=6, linear_num_key_heads=2, linear_key_head_dim=16,
+                               linear_value_head_dim=24, linear_conv_kernel_dim=3, tie_word_embeddings=False)
+    with torch.device("meta"):
+        built = AutoModelForCausalLM.from_config(config)
+    assert shape_params(TargetShape.from_config(config, "test")) == sum(p.numel() for p in built.parameters())
+    path = Path(__file__).parent / "assets" / "qwen3.6-27b-config.json"
+    count, how = target_params("unused", path, target_shape_of(path))
+    assert 26.8e9 < count < 27.0e9 and "48 Gated-DeltaNet" in how  # Qwen3.6-27B: 27B (its language model: 26.9B)
+
+
+def target_shape_of(path):
+    from flashdraft.estimate import target_shape
+
+    return target_shape("unused", path)
