@@ -276,6 +276,62 @@ def syncs_per_step(device: str):
         training.optimizer_step = original
 
 
+def memory_check(shape: dict, args, device: str, dtype) -> list[dict]:
+    """One training step's peak on the drafter's side (offline features: the target's pass apart) with Qwen3.6's
+    vocabulary (248,320 tokens; 4,096 with --tiny), at a quarter of `--anchors` and at all of them, beside what
+    `estimate`'s formula says for it, and the step's time: `torch.cuda.max_memory_allocated` on a GPU, every tensor
+    counted while it lives on a CPU (benchmarks/memory_counter.py)."""
+    from memory_counter import MemoryCounter
+
+    from flashdraft.config import TrainConfig
+    from flashdraft.estimate import TargetShape, drafter_step_bytes
+    from flashdraft.model.drafter import DFlashDrafter, draft_config
+    from flashdraft.train.step import batch_step, plan_batch
+
+    vocab = 4096 if args.tiny else 248_320
+    torch.manual_seed(0)
+    target = gpu_check.build_target({**shape, "vocab_size": vocab}, device, dtype)
+    drafter = DFlashDrafter(draft_config(target.config, num_layers=5, block_size=16, mask_token_id=0)).to(device)
+    target.watch(drafter.target_layer_ids)
+    rows = []
+    for _ in range(args.batch):
+        mask = torch.ones(args.seq_len, dtype=torch.long)
+        mask[: args.seq_len // 4] = 0
+        rows.append((torch.randint(1, vocab, (args.seq_len,)), mask))
+    features = [target.features(ids[None].to(device))[0] for ids, _ in rows]
+    shape_of = TargetShape.from_config(target.config, "gpu_eval")
+    results = []
+    for anchors in (max(1, args.anchors // 4), args.anchors):
+        cfg = TrainConfig(block_size=16, max_anchors=anchors, micro_batch=args.batch, batch_size=args.batch,
+                          max_length=args.seq_len, num_layers=5)
+        plan = plan_batch(target, rows, cfg, [torch.Generator().manual_seed(i) for i in range(len(rows))], 16,
+                          features)
+        target.heads_beside(drafter, device)
+
+        def step(cfg=cfg, plan=plan):
+            out = batch_step(drafter, target, [], cfg, [], device, planned=plan)
+            sum(r["weighted_ce"] for r in out if r).backward()
+            drafter.zero_grad(set_to_none=True)
+
+        step()  # compiles FlexAttention's kernels for this shape
+        if device == "cuda":
+            torch.cuda.synchronize()
+            base = torch.cuda.memory_allocated()
+            torch.cuda.reset_peak_memory_stats()
+            step()
+            peak = torch.cuda.max_memory_allocated() - base
+        else:
+            with MemoryCounter() as counter:
+                step()
+            peak = counter.peak_bytes
+        formula = drafter_step_bytes(shape_of, cfg, args.batch, len(drafter.target_layer_ids), cuda=device == "cuda",
+                                     context=plan.context_len, rows=anchors * 16)["total"]
+        results.append({"scored_rows": args.batch * anchors * 16, "peak_bytes": peak, "formula_bytes": formula,
+                        "step_ms": seconds_each(step, device, 2) * 1e3})
+    del target
+    return results
+
+
 def main() -> None:
     from flashdraft.config import EvalConfig
 
@@ -314,6 +370,7 @@ def main() -> None:
         save_target(shapes[first], work / "target", dtype, args.tokenizer)
         report = eval_report(work / "target", work, args)
         train = train_check(first, shapes[first], work / "target", work, args, device, dtype)
+    memory = memory_check(shapes[first], args, device, dtype)
 
     print(f"\n{gpu}, torch {torch.__version__}, copy bandwidth {bandwidth / 1e12:.2f} TB/s, prompt "
           f"{args.prompt_len} tokens, {args.new_tokens} new, untrained drafter (5 layers, block 16)")
@@ -347,8 +404,15 @@ def main() -> None:
     print("| --- | --- | --- |")
     for op in profile["top"]:
         print(f"| {op['op']} | {op['ms']:.1f} | {op['calls']} |")
+    print(f"\nthe drafter's step with {'4,096' if args.tiny else '248,320'} vocabulary tokens ({first}, micro_batch "
+          f"{args.batch}, offline features): peak over the weights beside estimate's formula")
+    print("| scored rows a micro-batch | peak | estimate's formula | formula / peak | step ms |")
+    print("| --- | --- | --- | --- | --- |")
+    for m in memory:
+        print(f"| {m['scored_rows']:,} | {m['peak_bytes'] / 1e9:.2f} GB | {m['formula_bytes'] / 1e9:.2f} GB | "
+              f"{m['formula_bytes'] / m['peak_bytes']:.2f} | {m['step_ms']:.1f} |")
     if args.json:
-        print(json.dumps({"decode": decode, "eval": report["stats"], "train": train}))
+        print(json.dumps({"decode": decode, "eval": report["stats"], "train": train, "memory": memory}))
 
 
 if __name__ == "__main__":

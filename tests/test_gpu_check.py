@@ -50,3 +50,6 @@ def test_gpu_eval_runs_end_to_end_in_its_tiny_cpu_form():
     assert {"plan": 3, "backward": 3, "optimizer": 3, "read": 3, "bookkeeping": 3}.items() <= phases.items()
     assert phases["forward"] >= 3 and phases["mask"] >= 3 and phases["heldout"] >= 1
     assert "CLI / isolated" in proc.stdout and "| operator | self ms | calls |" in proc.stdout
+    memory = result["memory"]  # the drafter's step peak beside estimate's formula, at two sizes
+    assert [m["scored_rows"] for m in memory] == [64, 256]
+    assert all(m["peak_bytes"] > 0 and 0.85 < m["formula_bytes"] / m["peak_bytes"] < 1.15 for m in memory)
