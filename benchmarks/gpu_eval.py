@@ -328,7 +328,6 @@ def memory_check(shape: dict, args, device: str, dtype) -> list[dict]:
                                      context=plan.context_len, rows=anchors * 16)["total"]
         results.append({"scored_rows": args.batch * anchors * 16, "peak_bytes": peak, "formula_bytes": formula,
                         "step_ms": seconds_each(step, device, 2) * 1e3})
-    del target
     return results
 
 
