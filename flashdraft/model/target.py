@@ -206,6 +206,15 @@ class Target:
         return output, features
 
     @torch.no_grad()
+    def top_next_tokens(self, states_TNH: torch.Tensor, k: int = 5) -> list[int]:
+        """The target's k most likely next tokens after a sequence, from a feature source's states for it (T × n × H,
+        its layers `source_layers`): the last layer's state at the last position through the final norm and the LM
+        head. How the trainer tells its target from another model of the same shape (train/engine_features.py)."""
+        last = self.source_layers().index(self.config.num_hidden_layers - 1)
+        state = states_TNH[-1, last].to(self.lm_head.weight.device, self.lm_head.weight.dtype)
+        return self.lm_head(self.decoder.norm(state[None]))[0].float().topk(k).indices.tolist()
+
+    @torch.no_grad()
     def features(self, input_ids_BT: torch.Tensor) -> torch.Tensor:
         return self.forward(input_ids_BT)[1]
 

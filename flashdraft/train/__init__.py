@@ -331,7 +331,7 @@ def setup(cfg: TrainConfig, data: Path, out: Path, target_path: str, where: Plac
         log_name = "engine-vllm.log" if where.world == 1 else f"engine-vllm-{where.rank}.log"
         target.use(running.enter_context(engine_features(cfg, target_path, target.source_layers(),
                                                          target.config.hidden_size, devices, out / log_name, say,
-                                                         rank=where.rank)))
+                                                         rank=where.rank, judge=target.top_next_tokens)))
     cache = None
     if cfg.features == "offline":
         from flashdraft.train.feature_cache import offline_features

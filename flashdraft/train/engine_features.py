@@ -32,6 +32,12 @@ this machine at the same path (NFS, a shared volume): vLLM's connector transfers
 each server is asked for its model list (its served name carries the layers, so a server started for other layers
 is refused by name) and for one short sequence's states, read here from the shared directory. Rows go round-robin
 over the servers; every file is read once and deleted, as with a server flashdraft started.
+
+**A server is identified by what it computes, not by its name.** Every answer (the fleet's and a server flashdraft
+started) carries the token the server chose after the sequence; the trainer holds the target's final norm and LM
+head, runs them over the last layer's state the server returned, and refuses an answer whose token is not among its
+own top 5. A server of another model of the same shape (the base model beside the instruct one, an older checkpoint)
+passes the name, the shape and the token echo, and fails this on its first answer.
 """
 
 from __future__ import annotations
@@ -53,6 +59,9 @@ from flashdraft.config import TrainConfig
 from flashdraft.layout import engines_dir
 from flashdraft.served import SERVED_NAME, Endpoint, EngineFailed, ask, check_installed, served
 
+# The trainer's own most likely next tokens after a sequence, from the engine's states for it (T × n × H)
+Judge = Callable[[torch.Tensor], list[int]]
+PROBE = [1, 2, 3, 5, 8, 13, 21, 34]  # a fixed sequence each fleet server answers before any work
 FIXES = Path(__file__).parents[1] / "vllm_cpu"  # sitecustomize.py: the CPU build's two runtime fixes
 ANSWER_DEADLINE_S = 600  # one sequence's prefill on a 2-core CPU; seconds on a GPU
 
@@ -118,9 +127,10 @@ class EngineFeatures:
     its features when the target's source is the engine (model/target.py `use`)."""
 
     def __init__(self, endpoints: list[Endpoint], storage: Path, layer_ids: list[int], hidden_size: int,
-                 log_path: str, name: str = SERVED_NAME, first: int = 0) -> None:
+                 log_path: str, name: str = SERVED_NAME, first: int = 0, judge: Judge | None = None) -> None:
         self.endpoints, self.storage, self.log_path = list(endpoints), storage.resolve(), log_path
         self.layer_ids, self.hidden_size, self.name, self.first = list(layer_ids), hidden_size, name, first
+        self.judge = judge
         self.pool = ThreadPoolExecutor(max_workers=4 * len(self.endpoints), thread_name_prefix="engine-features")
 
     def features(self, input_ids_BT: torch.Tensor) -> torch.Tensor:
@@ -135,11 +145,17 @@ class EngineFeatures:
 
     def one(self, ids: list[int], endpoint: Endpoint) -> torch.Tensor:
         answer = ask(endpoint, "/v1/completions", {"model": self.name, "prompt": ids, "max_tokens": 1,
-                                                   "temperature": 0.0}, deadline_s=ANSWER_DEADLINE_S)
+                                                   "temperature": 0.0, "return_token_ids": True},
+                     deadline_s=ANSWER_DEADLINE_S)
         try:
-            path = json.loads(answer)["kv_transfer_params"]["hidden_states_path"]
+            parsed = json.loads(answer)
+            path = parsed["kv_transfer_params"]["hidden_states_path"]
         except (ValueError, KeyError, TypeError):
             raise EngineFailed(f"{endpoint}: its answer names no hidden-states file (is it extracting?)") from None
+        try:  # the server's own greedy next token: what its model computed, whatever name it reports
+            chosen = int(parsed["choices"][0]["token_ids"][0])
+        except (KeyError, TypeError, ValueError, IndexError):
+            raise EngineFailed(f"{endpoint}: its answer does not say which token it chose (token_ids)") from None
         states = self.read(Path(str(path)), endpoint)
         expected = (len(ids), len(self.layer_ids), self.hidden_size)
         hidden, token_ids = states.get("hidden_states"), states.get("token_ids")
@@ -149,6 +165,11 @@ class EngineFeatures:
                                f"{expected} for the {len(ids)} sent)")
         if not bool(torch.isfinite(hidden).all()):
             raise EngineFailed(f"{endpoint}: hidden states that are not finite")
+        if self.judge is not None and chosen not in (ours := self.judge(hidden)):
+            raise EngineFailed(
+                f"{endpoint} computes another model than this run's target: after the {len(ids)} tokens sent it chose "
+                f"token {chosen}, which the target's own final norm and LM head over the states it returned do not "
+                f"rank in their top {len(ours)} ({ours}); serve the target itself (the same weights) there")
         return hidden.float().reshape(len(ids), -1)
 
     def read(self, path: Path, endpoint: Endpoint) -> dict[str, torch.Tensor]:
@@ -178,11 +199,13 @@ class EngineFeatures:
 
 @contextmanager
 def engine_features(cfg: TrainConfig, target_dir: str, layer_ids: list[int], hidden_size: int, devices: list[str],
-                    log_path: Path, log: Callable[[str], None], rank: int = 0) -> Iterator[EngineFeatures]:
+                    log_path: Path, log: Callable[[str], None], rank: int = 0,
+                    judge: Judge | None = None) -> Iterator[EngineFeatures]:
     """vLLM serving the target's hidden states for the run: the fleet at train.engine_urls, checked first, or a
-    server of its own, stopped (and its files removed) when the block ends."""
+    server of its own, stopped (and its files removed) when the block ends. `judge`: the trainer's own top next
+    tokens from a sequence's states, held against every answer's chosen token (`EngineFeatures.one`)."""
     if cfg.engine_urls:
-        source = fleet_features(cfg, target_dir, layer_ids, hidden_size, rank, log)
+        source = fleet_features(cfg, target_dir, layer_ids, hidden_size, rank, log, judge)
         try:
             yield source
         finally:
@@ -201,7 +224,7 @@ def engine_features(cfg: TrainConfig, target_dir: str, layer_ids: list[int], hid
                                       dtype, devices)
 
         with served(command, log_path, log, env=env) as endpoint:
-            source = EngineFeatures([endpoint], storage, layer_ids, hidden_size, str(log_path))
+            source = EngineFeatures([endpoint], storage, layer_ids, hidden_size, str(log_path), judge=judge)
             try:
                 yield source
             finally:
@@ -211,9 +234,10 @@ def engine_features(cfg: TrainConfig, target_dir: str, layer_ids: list[int], hid
 
 
 def fleet_features(cfg: TrainConfig, target_dir: str, layer_ids: list[int], hidden_size: int, rank: int,
-                   log: Callable[[str], None]) -> EngineFeatures:
+                   log: Callable[[str], None], judge: Judge | None = None) -> EngineFeatures:
     """The fleet's servers, each checked before any work: it serves these layers (by its served name) and one short
-    sequence's states arrive in the shared directory, of the shape this run needs."""
+    sequence's states arrive in the shared directory, of the shape this run needs, from the target itself (`judge`:
+    the server's chosen next token among the trainer's top ones; checked again on every request of the run)."""
     name = served_name(layer_ids)
     endpoints = [Endpoint(url=url.rstrip("/")) for url in cfg.engine_urls]
     start_one = f"start each server with: {fleet_command(cfg, target_dir, layer_ids)}"
@@ -226,8 +250,9 @@ def fleet_features(cfg: TrainConfig, target_dir: str, layer_ids: list[int], hidd
             raise EngineFailed(f"{endpoint} serves {listed}, not {name} (the target's hidden states at layers "
                                f"{layer_ids}, which this run needs); {start_one}")
     source = EngineFeatures(endpoints, Path(cfg.engine_storage or ""), layer_ids, hidden_size,
-                            "the fleet servers' own logs", name, first=rank)
-    probe = torch.tensor([[1, 2, 3]] * len(endpoints))  # a row to each server
+                            "the fleet servers' own logs", name, first=rank, judge=judge)
+    # fixed sequences to each server: a model of the same shape with other weights chooses other next tokens
+    probe = torch.tensor([PROBE] * len(endpoints))
     try:
         source.features(probe)
     except EngineFailed as e:

@@ -70,6 +70,16 @@ def fleet(tmp_path, engine_target):
         yield url, storage
 
 
+def same_shape_other_weights(target: str, path: Path) -> str:
+    """The target's config and tokenizer with other random weights."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    torch.manual_seed(1)
+    AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(target)).save_pretrained(path)
+    AutoTokenizer.from_pretrained(target).save_pretrained(path)
+    return str(path)
+
+
 SETTINGS = dict(num_layers=1, target_layer_ids=[0, 3], block_size=4, max_anchors=8, batch_size=2, max_steps=6,
                 lr=3e-3, checkpoint_every=3, eval_samples=2, max_length=64)
 
@@ -116,6 +126,14 @@ def test_a_target_fleet_gives_the_targets_distribution_too(tmp_path, engine_targ
     with pytest.raises(EngineFailed, match=r"not target-layers-1-3 .* start each server with: python -m vllm"):
         run(wrong, chat_dataset, tmp_path / "wrong", log=print)
     assert not (tmp_path / "wrong" / "features").exists()  # refused before any work
+
+    # Another model of the same shape (another checkpoint, a colleague's fine-tune): the served name, the shape and
+    # the token echo all pass; what it computes does not — the trainer's own head disagrees with the server's choice.
+    impostor = TrainConfig(target=same_shape_other_weights(engine_target, tmp_path / "other"), **SETTINGS, **recipe,
+                           feature_source="engine", **shared)
+    with pytest.raises(EngineFailed, match=r"computes another model than this run's target: .* top 5"):
+        run(impostor, chat_dataset, tmp_path / "impostor", log=print)
+    assert not (tmp_path / "impostor" / "features").exists()
 
     trains_as_transformers_do(tmp_path, chat_dataset, dict(target=engine_target, **SETTINGS, **recipe), **shared)
     assert list(storage.iterdir()) == []  # every file the fleet wrote for us was read once and deleted
