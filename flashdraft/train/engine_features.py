@@ -11,7 +11,9 @@ hidden-state extraction: speculative method `extract_hidden_states` with the lay
 directory flashdraft made for the run (mode 0700). One request per sequence — its token ids as the prompt, one
 token generated — answers with `kv_transfer_params.hidden_states_path`: a safetensors file of `hidden_states`
 [T, n, H] and `token_ids`, read once (after the writer's lock is released), checked, and deleted: nothing grows
-on disk.
+on disk. The file is untrusted input like the answer: it must be named after the request (whose id flashdraft
+chose), a regular file reached without a link, no larger than the states it can hold, its lock released before the
+request's deadline; a failure is one line naming the server, and a file that failed is never deleted.
 
 Numbering: flashdraft's target layer i is decoder layer i's output (transformers' `hidden_states[i + 1]`); vLLM's
 id L is `hidden_states[L]`, and its id equal to the layer count is the last layer's output before the final norm —
@@ -48,6 +50,8 @@ import os
 import shutil
 import stat
 import tempfile
+import time
+import uuid
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
@@ -144,9 +148,11 @@ class EngineFeatures:
             raise EngineFailed(f"target features from vLLM: {e} (log: {self.log_path})") from None
 
     def one(self, ids: list[int], endpoint: Endpoint) -> torch.Tensor:
+        # the request's id is ours: vLLM names the file after it, so the answer can name only a file of this request
+        request, deadline = f"flashdraft-{uuid.uuid4().hex}", time.monotonic() + ANSWER_DEADLINE_S
         answer = ask(endpoint, "/v1/completions", {"model": self.name, "prompt": ids, "max_tokens": 1,
-                                                   "temperature": 0.0, "return_token_ids": True},
-                     deadline_s=ANSWER_DEADLINE_S)
+                                                   "temperature": 0.0, "return_token_ids": True,
+                                                   "request_id": request}, deadline_s=ANSWER_DEADLINE_S)
         try:
             parsed = json.loads(answer)
             path = parsed["kv_transfer_params"]["hidden_states_path"]
@@ -156,7 +162,9 @@ class EngineFeatures:
             chosen = int(parsed["choices"][0]["token_ids"][0])
         except (KeyError, TypeError, ValueError, IndexError):
             raise EngineFailed(f"{endpoint}: its answer does not say which token it chose (token_ids)") from None
-        states = self.read(Path(str(path)), endpoint)
+        path = Path(str(path))
+        states = self.read(path, endpoint, request, expected_bytes(len(ids), len(self.layer_ids), self.hidden_size),
+                           deadline)
         expected = (len(ids), len(self.layer_ids), self.hidden_size)
         hidden, token_ids = states.get("hidden_states"), states.get("token_ids")
         if hidden is None or tuple(hidden.shape) != expected or token_ids is None or token_ids.tolist() != ids:
@@ -170,31 +178,63 @@ class EngineFeatures:
                 f"{endpoint} computes another model than this run's target: after the {len(ids)} tokens sent it chose "
                 f"token {chosen}, which the target's own final norm and LM head over the states it returned do not "
                 f"rank in their top {len(ours)} ({ours}); serve the target itself (the same weights) there")
+        for done in (path, path.with_name(path.name + ".lock")):  # read and checked: this request's, so ours to delete
+            done.unlink(missing_ok=True)
         return hidden.float().reshape(len(ids), -1)
 
-    def read(self, path: Path, endpoint: Endpoint) -> dict[str, torch.Tensor]:
-        """The file the engine wrote — only inside our storage directory, a regular file, never through a link —
-        once the writer's lock is released; then it and its lock are deleted."""
+    def read(self, path: Path, endpoint: Endpoint, request: str, most_bytes: int,
+             deadline: float) -> dict[str, torch.Tensor]:
+        """The file the engine wrote for `request`, read as untrusted input: only inside our storage directory and
+        named after the request, opened as a regular file and never through a link (nor blocking on a FIFO), its
+        size checked against `most_bytes` before a byte is read, once the writer's lock is released (a non-blocking
+        lock, tried again until the request's deadline). Any failure is one line naming the server; the file is
+        left where it is (it is deleted by `one` only once read and checked)."""
+        from safetensors import SafetensorError
         from safetensors.torch import load
 
-        if path.parent.resolve() != self.storage or path.name.startswith("."):
-            raise EngineFailed(f"{endpoint}: hidden states at {path}, outside {self.storage}: not read (a fleet "
-                               "server writes into train.engine_storage, mounted at the same path on both)")
+        if path.parent.resolve() != self.storage or path.name.startswith(".") or request not in path.name:
+            raise EngineFailed(f"{endpoint}: hidden states at {path}, not this request's file in {self.storage}: "
+                               "not read (a fleet server writes into train.engine_storage, mounted at the same path "
+                               "on both)")
         lock = path.with_name(path.name + ".lock")
         try:
-            with open(lock, "rb") as held:
-                fcntl.flock(held, fcntl.LOCK_SH)  # sleeps until the writer (vLLM's thread) releases its lock
-            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
-            with os.fdopen(fd, "rb") as f:
-                if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
-                    raise EngineFailed(f"{path} is not a regular file: not read")
-                data = f.read()
+            with open_regular(lock) as held:
+                while True:  # vLLM's writer holds an exclusive lock until the file is whole
+                    try:
+                        fcntl.flock(held, fcntl.LOCK_SH | fcntl.LOCK_NB)
+                        break
+                    except BlockingIOError:
+                        if time.monotonic() > deadline:
+                            raise EngineFailed(f"{endpoint}: {lock} stayed locked past the request's "
+                                               f"{ANSWER_DEADLINE_S} s: not read") from None
+                        time.sleep(0.05)
+            with open_regular(path) as f:
+                size = os.fstat(f.fileno()).st_size
+                if size > most_bytes:
+                    raise EngineFailed(f"{endpoint}: {path} holds {size:,} bytes, more than the {most_bytes:,} its "
+                                       "states can take: not read")
+                data = f.read(most_bytes + 1)
         except OSError as e:
             raise EngineFailed(f"{endpoint}: its hidden states at {path} cannot be read: {e}") from None
-        finally:
-            for done in (path, lock):
-                done.unlink(missing_ok=True)
-        return load(data)
+        try:
+            return load(data)
+        except (SafetensorError, ValueError, RuntimeError) as e:
+            raise EngineFailed(f"{endpoint}: {path} is not a safetensors file ({e})") from None
+
+
+def expected_bytes(tokens: int, layers: int, hidden: int) -> int:
+    """The most a file of one sequence's states may hold: float32 states, int64 token ids and a header."""
+    return tokens * layers * hidden * 4 + tokens * 8 + 64 * 1024
+
+
+@contextmanager
+def open_regular(path: Path):
+    """`path` opened for reading as a regular file: never through a link, never waiting on a FIFO or device."""
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    with os.fdopen(fd, "rb") as f:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise OSError(f"{path} is not a regular file")
+        yield f
 
 
 @contextmanager

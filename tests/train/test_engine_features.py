@@ -134,9 +134,12 @@ def test_a_target_fleet_gives_the_targets_distribution_too(tmp_path, engine_targ
     with pytest.raises(EngineFailed, match=r"computes another model than this run's target: .* top 5"):
         run(impostor, chat_dataset, tmp_path / "impostor", log=print)
     assert not (tmp_path / "impostor" / "features").exists()
+    # the refused answer's file is left where it is: a failure path deletes nothing (it may not be ours)
+    refused = sorted(p.name for p in storage.iterdir())
+    assert len(refused) == 2 and refused[0].startswith("cmpl-flashdraft-") and refused[1].endswith(".lock")
 
     trains_as_transformers_do(tmp_path, chat_dataset, dict(target=engine_target, **SETTINGS, **recipe), **shared)
-    assert list(storage.iterdir()) == []  # every file the fleet wrote for us was read once and deleted
+    assert sorted(p.name for p in storage.iterdir()) == refused  # every file it wrote for us read once and deleted
 
 
 def test_the_engine_source_keeps_the_targets_layers_where_they_are():
@@ -192,3 +195,59 @@ def test_a_hybrid_targets_slow_path_is_said_before_any_work(cli, tmp_path):
                     str(reference))
     assert estimated.returncode == 0, estimated.stderr
     assert "its 48 Gated-DeltaNet layers assumed on fast kernels" in estimated.stdout
+
+
+def engine_file_reader(tmp_path):
+    """An EngineFeatures over a storage directory, for its file reading alone (no server): 4 tokens × 2 layers × 8."""
+    from flashdraft.served import Endpoint
+    from flashdraft.train.engine_features import EngineFeatures, expected_bytes
+
+    storage = tmp_path / "storage"
+    storage.mkdir()
+    source = EngineFeatures([Endpoint(url="http://127.0.0.1:9")], storage, [0, 1], 8, "log")
+    return source, storage, expected_bytes(4, 2, 8)
+
+
+def test_an_engines_file_is_read_within_bounds_and_only_when_it_is_this_requests(tmp_path):
+    """The file an answer names is untrusted input: too large for the states it can hold, locked by someone else past
+    the deadline, not safetensors, a link, another request's name — each is one line naming the server, and the file
+    is not deleted (a file in a shared volume may be someone else's)."""
+    import fcntl
+    import time
+
+    from safetensors.torch import save_file
+
+    source, storage, most = engine_file_reader(tmp_path)
+    request = "flashdraft-0123abcd"
+
+    def written(name: str, data: bytes) -> Path:
+        path = storage / name
+        path.write_bytes(data)
+        path.with_name(name + ".lock").write_bytes(b"")
+        return path
+
+    def refused(path: Path, pattern: str, deadline_s: float = 5.0) -> None:
+        with pytest.raises(EngineFailed, match=pattern):
+            source.read(path, source.endpoints[0], request, most, time.monotonic() + deadline_s)
+        assert path.exists() or path.is_symlink()  # never deleted on a failure
+
+    good = storage / f"cmpl-{request}-0-1234.safetensors"
+    save_file({"hidden_states": torch.zeros(4, 2, 8), "token_ids": torch.arange(4)}, str(good))
+    good.with_name(good.name + ".lock").write_bytes(b"")
+    states = source.read(good, source.endpoints[0], request, most, time.monotonic() + 5)
+    assert states["token_ids"].tolist() == [0, 1, 2, 3]
+
+    too_big = written(f"cmpl-{request}-big.safetensors", b"\0" * (most + 1))
+    refused(too_big, r"127\.0\.0\.1:9.*more than the .* not read")
+    refused(written(f"cmpl-{request}-junk.safetensors", b"not a safetensors file at all"), "is not a safetensors file")
+    refused(written("cmpl-flashdraft-someone-else.safetensors", b"x"), "not this request's file")
+    link = storage / f"cmpl-{request}-link.safetensors"
+    link.symlink_to(good)
+    link.with_name(link.name + ".lock").write_bytes(b"")
+    refused(link, "cannot be read")
+    locked = written(f"cmpl-{request}-locked.safetensors", b"x")
+    with open(locked.with_name(locked.name + ".lock"), "rb") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)  # a writer that never finishes
+        started = time.monotonic()
+        refused(locked, "stayed locked past", deadline_s=0.3)
+        assert time.monotonic() - started < 3  # gave up at the deadline, did not wait forever
