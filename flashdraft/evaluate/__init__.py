@@ -30,7 +30,7 @@ import shutil
 import time
 from collections import defaultdict
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -80,7 +80,7 @@ def run(
     prompts, rejected, sets = load_prompts(cfg)
     check_engines(cfg, drafter_dir, log)
     target_path = resolve_model(target_ref or cfg.target, log=log)
-    lineage = eval_lineage(cfg, drafter_dir, target_path)
+    lineage = eval_lineage(cfg, drafter_dir, target_path, prompts)
     # Locked for the run; refused unless it is an eval report (or empty) outside the drafter and the target.
     with hold_output(out, "eval", inputs=[drafter_dir, target_path]):
         decision = check_done(out, lineage)
@@ -165,14 +165,16 @@ def check_engines(cfg: EvalConfig, drafter_dir: Path, log: Callable[[str], None]
         log(f"eval: engine {check_engine(engine, cfg.engine_url, cfg.engine_python)}")
 
 
-def eval_lineage(cfg: EvalConfig, drafter_dir: Path, target_path: str) -> Lineage:
-    """What a report measured: the drafter's content and the settings (how an engine is reached is not what is
-    measured; without one, or measured by eval alone, the lineage is what it was before engines)."""
+def eval_lineage(cfg: EvalConfig, drafter_dir: Path, target_path: str, prompts: list) -> Lineage:
+    """What a report measured: the drafter's content, the prompts as loaded (their content: a prompts file rewritten
+    in place under the same name is other prompts), the target's identity (its manifest or its files' content, as
+    train computes it) and the settings (how an engine is reached is not what is measured)."""
     engine_keys = {"engine", "engine_url", "engine_python", "engine_baseline", "engine_only"}
     # settings added later keep a report made before them current while they are at their defaults
     later = {key for key, default in (("engine_only", False), ("seeds", 1)) if getattr(cfg, key) == default}
     measured = cfg.model_dump(exclude=(engine_keys if not cfg.engines else {"engine_url", "engine_python"}) | later)
-    return Lineage(inputs=[identity(drafter_dir)], config=sha256_json({"eval": measured, "target": target_path}))
+    return Lineage(inputs=[identity(drafter_dir), sha256_json([asdict(prompt) for prompt in prompts])],
+                   config=sha256_json({"eval": measured, "target": identity(target_path)}))
 
 
 @dataclass

@@ -35,6 +35,7 @@ from flashdraft.artifact.manifest import (
     commit,
     content_digest,
     digest_file,
+    identity,
     read_manifest,
     sha256_json,
     verify_dir,
@@ -94,7 +95,11 @@ NOT_LINEAGE = {"base_urls", "concurrency", "max_retries", "timeout_s", "max_erro
 
 
 def lineage_for(cfg: GenerateConfig) -> Lineage:
-    return Lineage(inputs=[source_digest(cfg.prompts)], config=sha256_json(cfg.model_dump(exclude=NOT_LINEAGE)))
+    """The prompts by content; the settings; a local model by its identity (its manifest or files' content), so weights
+    changed in place are another generation. A served model (openai) is named by its server."""
+    model = identity(cfg.model) if cfg.backend != "openai" else cfg.model
+    return Lineage(inputs=[source_digest(cfg.prompts)],
+                   config=sha256_json({**cfg.model_dump(exclude=NOT_LINEAGE), "model": model}))
 
 
 class GenerationIncomplete(ExpectedFailure):

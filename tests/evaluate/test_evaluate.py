@@ -247,6 +247,14 @@ def test_eval_stage_writes_a_verified_report(tmp_path, tiny_model_dir, target, o
     lines = []
     run(cfg, tmp_path / "drafter", tmp_path / "eval", log=lines.append)
     assert "already done, verified" in lines[0]
+    # The same file name with other prompts (a newer export, a fixed record): other inputs, measured again.
+    before = {p["id"] for p in report["prompts"]}
+    prompts.write_text(prompts.read_text().replace("owls", "bats"))
+    lines.clear()
+    again = run(cfg, tmp_path / "drafter", tmp_path / "eval", log=lines.append)
+    assert "already done" not in lines[0] and again["prompts"] == 3
+    after = {p["id"] for p in json.loads((tmp_path / "eval" / "report.json").read_text())["prompts"]}
+    assert len(after - before) == 1  # the rewritten prompt was measured
     sampled = run(cfg.model_copy(update={"temperature": 0.7}), tmp_path / "drafter", tmp_path / "sampled",
                   log=lines.append)
     assert sampled["lossless"] is None and sampled["near_ties"] == 0
