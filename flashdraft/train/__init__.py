@@ -82,6 +82,7 @@ from flashdraft.train.data import (
 )
 from flashdraft.train.distributed import (
     Placement,
+    agree,
     barrier,
     checked_once_a_node,
     collective_device,
@@ -147,13 +148,18 @@ def _run(cfg: TrainConfig, data: Path, out: Path, require_checkpoint: bool, cons
     from flashdraft.model.resolve import resolve_model
 
     target_path = resolve_model(cfg.target, log=say)
+    target_identity, settings = identity(target_path), cfg.model_dump(exclude=not_lineage(cfg))
     lineage = Lineage(
         inputs=[manifest_digest(data)],
         config=sha256_json(
-            {"train": cfg.model_dump(exclude=not_lineage(cfg)), "world": where.world, "target": identity(target_path),
+            {"train": settings, "world": where.world, "target": target_identity,
              "init_from": identity(cfg.init_from) if cfg.init_from else None}
         ),
     )
+    # what the nodes share is compared, not assumed (each computed its own lineage from its own --data and config)
+    shared = {k: v for k, v in settings.items() if k not in ("target", "init_from")}  # by identity, not path
+    agree(where.world, {"dataset": lineage.inputs[0], "config": sha256_json(shared), "target": target_identity,
+                        "flashdraft version": lineage.flashdraft})
     drafter_dir = out / DRAFTER
     decision = check_done(drafter_dir, lineage)
     say(decision.line("train", drafter_dir))

@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -105,6 +106,30 @@ def checked_once_a_node(world: int, check: Callable[[], None]) -> None:
     if failed.item():
         raise ExpectedFailure("the input failed its check in the process that checked it for its node (that "
                               "process's error line says why)")
+
+
+def agree(world: int, parts: dict[str, str]) -> None:
+    """What every process of a run must share (the dataset, the settings, the target, flashdraft's version: each a
+    digest), compared once the group is up: a node that joined with another dataset would have its gradients
+    averaged into every step, and one with another lr or loss would drift apart under DDP, silently. Every process
+    refuses the run in one line naming the node (and rank) that differs from rank 0 and in what."""
+    if world == 1:
+        return
+    device = collective_device()
+    node = int(os.environ.get("GROUP_RANK", os.environ.get("NODE_RANK", "0")))
+    # 60 bits of each digest, and the node: int64s, gathered from every rank (all_gather_object would pickle)
+    mine = torch.tensor([int(hashlib.sha256(v.encode()).hexdigest()[:15], 16) for v in parts.values()] + [node],
+                        dtype=torch.int64, device=device)
+    everyone = [torch.empty_like(mine) for _ in range(world)]
+    torch.distributed.all_gather(everyone, mine)
+    reference = everyone[0].tolist()
+    for rank, theirs in enumerate(t.tolist() for t in everyone):
+        differ = [name for name, a, b in zip(parts, theirs, reference, strict=False) if a != b]
+        if differ:
+            raise BadTrainingInput(
+                f"node {theirs[-1]} (rank {rank}) joined this run with another {' and another '.join(differ)} than "
+                f"rank 0 (node {reference[-1]}): every node must train on the same dataset, settings, target and "
+                "flashdraft version; give them the same --data, config and target, then start them again")
 
 
 def from_rank_zero(world: int, compute: Callable[[], list[torch.Tensor]], count: int) -> list[torch.Tensor]:

@@ -91,3 +91,28 @@ def test_several_nodes_need_a_rendezvous_and_a_rank_among_them(cli, tmp_path, ti
         TrainConfig(nnodes=2)
     with pytest.raises(ValueError, match="ranks are 0 … 1"):
         TrainConfig(nnodes=2, rdzv_endpoint="head:29500", node_rank=2)
+
+
+@pytest.mark.slow
+def test_nodes_that_differ_in_what_they_train_on_are_refused_naming_the_node(tiny_target, tiny_dataset, tmp_path):
+    """Each node names its own --data and config: node 1 holding another dataset, or another learning rate, would
+    average its gradients into every step (or drift apart). Once the group is up every node compares, and both
+    exit 1 with one line naming node 1 and what differs, before any step."""
+    import torch
+
+    from tests.train.test_train import make_dataset
+
+    other = make_dataset(tmp_path / "other-data", [torch.randint(0, 120, (44,)).tolist() for _ in range(12)])
+    for name, node_1, what in [("data", ({}, other), "another dataset"),
+                               ("lr", ({"lr": 1e-2}, tiny_dataset), "another config")]:
+        endpoint = f"127.0.0.1:{free_port()}"  # both nodes meet at node 0's
+        configs = [write_config(tmp_path / f"{name}-{rank}.yaml", tiny_target, batch_size=1, max_steps=3, nnodes=2,
+                                rdzv_endpoint=endpoint, **settings)
+                   for rank, settings in enumerate([{}, node_1[0]])]
+        nodes = [node(configs[rank], data, tmp_path / f"{name}-{rank}", rank)
+                 for rank, data in enumerate([tiny_dataset, node_1[1]])]
+        outputs = [n.communicate(timeout=300) for n in nodes]
+        for n, (_, err) in zip(nodes, outputs, strict=True):
+            assert n.returncode == 1 and "Traceback" not in err, err[-3000:]
+            assert f"node 1 (rank 1) joined this run with {what} than rank 0" in err, err[-2000:]
+        assert not (tmp_path / f"{name}-0" / "checkpoints").exists()
