@@ -29,7 +29,7 @@ import tempfile
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import urlsplit
 
@@ -70,6 +70,7 @@ class Endpoint:
     url: str | None = None
     socket_path: Path | None = None
     group: int | None = None
+    api_key: str | None = field(default=None, repr=False)  # sent as a bearer token on every request; never shown
 
     def __str__(self) -> str:
         return self.url or f"unix:{self.socket_path}"
@@ -122,6 +123,8 @@ def ask(endpoint: Endpoint, path: str, body: dict | None = None, deadline_s: flo
         kind = http.client.HTTPSConnection if parts.scheme == "https" else http.client.HTTPConnection
         connection, prefix = kind(parts.hostname or "", parts.port, timeout=deadline_s), parts.path.rstrip("/")
     headers = {"Accept": "application/json"} | ({"Content-Type": "application/json"} if body is not None else {})
+    if endpoint.api_key:
+        headers["Authorization"] = f"Bearer {endpoint.api_key}"
     try:
         status, _, data = exchange(connection, "POST" if body is not None else "GET", prefix + path, headers=headers,
                                    body=json.dumps(body).encode() if body is not None else None,

@@ -76,14 +76,16 @@ def engine_python(cfg: TrainConfig) -> Path:
 
 def check_engine_features(cfg: TrainConfig) -> str:
     """Before any work: the vLLM that would serve the target's hidden states is installed, or the fleet's servers
-    answer and their shared directory is here (which layers they serve is checked when the run knows its own)."""
+    answer (with the fleet's key) and their shared directory is here (which layers they serve is checked when the
+    run knows its own)."""
     if cfg.engine_urls:
         storage = Path(cfg.engine_storage or "")
         if not storage.is_dir() or not os.access(storage, os.R_OK | os.W_OK | os.X_OK):
             raise EngineFailed(f"train.engine_storage {storage}: not a directory this machine can read and delete "
                                "in (the fleet's servers write their hidden states there)")
+        key = fleet_key(storage)
         for url in cfg.engine_urls:
-            ask(Endpoint(url=url.rstrip("/")), "/v1/models", deadline_s=10)
+            ask(Endpoint(url=url.rstrip("/"), api_key=key), "/v1/models", deadline_s=10)
         return f"vllm fleet: {len(cfg.engine_urls)} server(s), hidden states in {storage}"
     program = engine_python(cfg)
     check_installed("vllm", program, chosen=cfg.engine_python is not None)
@@ -117,13 +119,55 @@ def extraction_command(python: Path | str, target_dir: str, layer_ids: list[int]
     return command
 
 
-def fleet_command(cfg: TrainConfig, target_dir: str, layer_ids: list[int]) -> str:
-    """The command that starts one fleet server for this run, as the user copies it (their vLLM, port, GPUs)."""
-    import shlex
+FLEET_KEY = ".flashdraft-fleet-key"  # in engine_storage: the fleet's API key, made by the first trainer, mode 0600
 
-    command = extraction_command("python", target_dir, layer_ids, 8000, Path(cfg.engine_storage or "STORAGE"),
-                                 cfg.max_length + 16, "bfloat16", ["GPU"], served_name(layer_ids), host="0.0.0.0")
-    return shlex.join(command).replace("--tensor-parallel-size GPU", "--tensor-parallel-size N")
+
+def fleet_key(storage: Path) -> str:
+    """The fleet's API key, read from `storage` (the directory the servers and the trainers share), made there by
+    the first flashdraft that needs it: a random token in a file only its owner may read. The servers take it from
+    that file into `VLLM_API_KEY` (the command `fleet_command` prints), the trainers send it on every request; it is
+    never on a command line or in a log."""
+    import secrets
+
+    path = storage / FLEET_KEY
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(secrets.token_urlsafe(32) + "\n")
+    except FileExistsError:
+        pass
+    try:
+        with open_regular(path) as f:
+            mode = os.fstat(f.fileno()).st_mode
+            key = f.read(1024).decode("ascii", "replace").strip()
+    except OSError as e:
+        raise EngineFailed(f"the fleet's key {path} cannot be read: {e}") from None
+    if mode & 0o077 or len(key) < 32:
+        raise EngineFailed(f"the fleet's key {path} is readable by others or too short: delete it, and the next "
+                           "train makes a new one (restart the servers with the command it prints)")
+    return key
+
+
+def fleet_command(cfg: TrainConfig, target_dir: str, layer_ids: list[int], url: str, python: str = "python",
+                  gpus: int | None = None) -> str:
+    """The command that starts the fleet server at `url` for this run, as the user copies it (and as the tests start
+    it): it binds that URL's host and port only, takes the fleet's key from the shared directory into VLLM_API_KEY
+    (not onto its command line), and runs tensor-parallel over `gpus` (N where not given). `gpus=0`: vLLM's CPU
+    build, with flashdraft's runtime fixes on its PYTHONPATH and float32."""
+    import shlex
+    from urllib.parse import urlsplit
+
+    parts = urlsplit(url)
+    storage = Path(cfg.engine_storage or "STORAGE")
+    cpu = gpus == 0
+    command = extraction_command(python, target_dir, layer_ids, parts.port or 80, storage, cfg.max_length + 16,
+                                 "float32" if cpu else "bfloat16", [] if cpu else ["GPU"] * (gpus or 1),
+                                 served_name(layer_ids), host=parts.hostname or "HOST")
+    line = shlex.join(command)
+    if gpus is None:
+        line = line.replace("--tensor-parallel-size 1", "--tensor-parallel-size N")
+    env = f'VLLM_API_KEY="$(cat {shlex.quote(str(storage / FLEET_KEY))})"'
+    return (f"PYTHONPATH={shlex.quote(str(FIXES))} " if cpu else "") + f"{env} {line}"
 
 
 class EngineFeatures:
@@ -279,11 +323,14 @@ def fleet_features(cfg: TrainConfig, target_dir: str, layer_ids: list[int], hidd
     sequence's states arrive in the shared directory, of the shape this run needs, from the target itself (`judge`:
     the server's chosen next token among the trainer's top ones; checked again on every request of the run)."""
     name = served_name(layer_ids)
-    endpoints = [Endpoint(url=url.rstrip("/")) for url in cfg.engine_urls]
-    start_one = f"start each server with: {fleet_command(cfg, target_dir, layer_ids)}"
+    key = fleet_key(Path(cfg.engine_storage or ""))
+    endpoints = [Endpoint(url=url.rstrip("/"), api_key=key) for url in cfg.engine_urls]
     for endpoint in endpoints:
+        start_one = f"start it with: {fleet_command(cfg, target_dir, layer_ids, endpoint.url or '')}"
         try:
             listed = [m.get("id") for m in json.loads(ask(endpoint, "/v1/models", deadline_s=10))["data"]]
+        except EngineFailed as e:  # not answering, or answering without our key: the command that starts it right
+            raise EngineFailed(f"{e}; {start_one}") from None
         except (ValueError, KeyError, TypeError, AttributeError):
             raise EngineFailed(f"{endpoint}/v1/models: not an OpenAI model list; {start_one}") from None
         if name not in listed:

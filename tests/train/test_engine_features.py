@@ -55,18 +55,24 @@ def losses(out) -> list[float]:
 
 @pytest.fixture
 def fleet(tmp_path, engine_target):
-    """A vLLM server already running, as a target fleet's are: started by hand with the command train prints (here
-    on a loopback port), writing hidden states into a directory shared with the trainer."""
+    """A vLLM server already running, as a target fleet's are: started with the command train prints for it (here on
+    a loopback port, vLLM's CPU build), writing hidden states into a directory shared with the trainer, answering
+    only requests that carry the fleet's key."""
     from flashdraft.testing import free_port_block, http_server
-    from flashdraft.train.engine_features import FIXES, extraction_command, served_name
+    from flashdraft.train.engine_features import fleet_command, fleet_key
 
     storage = tmp_path / "shared"
     storage.mkdir()
     port = free_port_block(1)[0]
-    command = extraction_command(VLLM, engine_target, [0, 3], port, storage, 80, "float32", [],
-                                 served_name([0, 3]))
-    env = dict(os.environ, PYTHONPATH=str(FIXES), VLLM_CPU_KVCACHE_SPACE="1")
-    with http_server(command, port, tmp_path / "fleet-vllm.log", 600, env=env) as url:
+    url = f"http://127.0.0.1:{port}"
+    cfg = TrainConfig(target=engine_target, **SETTINGS, feature_source="engine", engine_urls=[url],
+                      engine_storage=str(storage))
+    fleet_key(storage)  # made by the first flashdraft that needs it (train, or its preflight)
+    line = fleet_command(cfg, engine_target, [0, 3], url, python=str(VLLM), gpus=0)
+    assert "--host 127.0.0.1" in line and "--api-key" not in line  # the key is not on its command line
+    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1")
+    with http_server(["bash", "-c", line], port, tmp_path / "fleet-vllm.log", 600, env=env) as served:
+        assert served == url
         yield url, storage
 
 
@@ -118,12 +124,17 @@ def test_engine_features_train_as_transformers_features_do(tmp_path, engine_targ
 def test_a_target_fleet_gives_the_targets_distribution_too(tmp_path, engine_target, chat_dataset, fleet):
     """Offline, with the target's own labels and top-4 distillation, from a server already running (a fleet of
     one): the trainer's final norm and LM head over the last layer's states give transformers' distribution."""
+    import urllib.error
+    import urllib.request
+
     url, storage = fleet
+    with pytest.raises(urllib.error.HTTPError, match="401"):  # without the fleet's key: refused
+        urllib.request.urlopen(f"{url}/v1/models", timeout=10)
     shared = dict(engine_urls=[url], engine_storage=str(storage))
     recipe = dict(labels="target", distill_topk=4, features="offline")
     wrong = TrainConfig(target=engine_target, **{**SETTINGS, "target_layer_ids": [1, 3]}, **recipe,
                         feature_source="engine", **shared)
-    with pytest.raises(EngineFailed, match=r"not target-layers-1-3 .* start each server with: python -m vllm"):
+    with pytest.raises(EngineFailed, match=r"not target-layers-1-3 .* start it with: VLLM_API_KEY=.* -m vllm"):
         run(wrong, chat_dataset, tmp_path / "wrong", log=print)
     assert not (tmp_path / "wrong" / "features").exists()  # refused before any work
 
@@ -135,11 +146,11 @@ def test_a_target_fleet_gives_the_targets_distribution_too(tmp_path, engine_targ
         run(impostor, chat_dataset, tmp_path / "impostor", log=print)
     assert not (tmp_path / "impostor" / "features").exists()
     # the refused answer's file is left where it is: a failure path deletes nothing (it may not be ours)
-    refused = sorted(p.name for p in storage.iterdir())
+    refused = sorted(p.name for p in storage.iterdir() if p.name != ".flashdraft-fleet-key")
     assert len(refused) == 2 and refused[0].startswith("cmpl-flashdraft-") and refused[1].endswith(".lock")
 
     trains_as_transformers_do(tmp_path, chat_dataset, dict(target=engine_target, **SETTINGS, **recipe), **shared)
-    assert sorted(p.name for p in storage.iterdir()) == refused  # every file it wrote for us read once and deleted
+    assert sorted(p.name for p in storage.iterdir() if p.name != ".flashdraft-fleet-key") == refused  # every file it wrote for us read once and deleted
 
 
 def test_the_engine_source_keeps_the_targets_layers_where_they_are():
@@ -251,3 +262,20 @@ def test_an_engines_file_is_read_within_bounds_and_only_when_it_is_this_requests
         started = time.monotonic()
         refused(locked, "stayed locked past", deadline_s=0.3)
         assert time.monotonic() - started < 3  # gave up at the deadline, did not wait forever
+
+
+def test_the_fleets_key_lives_in_the_shared_directory_for_its_owner_alone(tmp_path):
+    """Made once (0600), read back the same by every trainer; a key file others can read is refused; the printed
+    server command takes it from the file into VLLM_API_KEY, binds the host its URL names and says N GPUs."""
+    from flashdraft.train.engine_features import FLEET_KEY, fleet_command, fleet_key
+
+    key = fleet_key(tmp_path)
+    assert fleet_key(tmp_path) == key and len(key) >= 32
+    assert (tmp_path / FLEET_KEY).stat().st_mode & 0o777 == 0o600
+    cfg = TrainConfig(feature_source="engine", engine_urls=["http://10.1.2.3:8100"], engine_storage=str(tmp_path))
+    line = fleet_command(cfg, "/models/target", [1, 9], "http://10.1.2.3:8100")
+    assert key not in line and f'VLLM_API_KEY="$(cat {tmp_path / FLEET_KEY})"' in line
+    assert "--host 10.1.2.3 --port 8100" in line and "--tensor-parallel-size N" in line and "0.0.0.0" not in line
+    (tmp_path / FLEET_KEY).chmod(0o644)
+    with pytest.raises(EngineFailed, match="readable by others"):
+        fleet_key(tmp_path)
