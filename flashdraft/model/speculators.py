@@ -13,6 +13,7 @@ with a manifest (its lineage names the source drafter), a rerun of a done export
 from __future__ import annotations
 
 import json
+import tempfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -21,6 +22,7 @@ from flashdraft.artifact.manifest import Lineage, check_done, identity, read_man
 from flashdraft.artifact.ownership import commit_dir
 from flashdraft.errors import BadInput, ExpectedFailure
 from flashdraft.layout import require_drafter
+from flashdraft.model.staging import staged_model
 
 
 def export_speculators(drafter_dir: Path, target_ref: str, out: Path, log: Callable[[str], None] = print
@@ -48,16 +50,37 @@ def export_speculators(drafter_dir: Path, target_ref: str, out: Path, log: Calla
         raise ExpectedFailure("the speculators format is written by the speculators package's own converter: "
                               "`pip install speculators` (0.9 needs transformers 5.0–5.19) and rerun") from None
     target = resolve_model(target_ref, log=log)
-    lineage = Lineage(inputs=[identity(drafter_dir)], config=sha256_json({"format": "speculators", "target": target}))
+    lineage = Lineage(inputs=[identity(drafter_dir)],
+                      config=sha256_json({"format": "speculators", "target": identity(target)}))
     decision = check_done(out, lineage)
     log(decision.line("export", out))
     if decision.done:
         return read_manifest(out).stats
     require_verified(drafter_dir, "drafter", "re-export it (rerun `flashdraft train`) or pull it again")
     stats = {"format": "speculators", "verifier": target}
-    with commit_dir(out, "drafter", stats=stats, lineage=lineage) as tmp:
+    # The converter is third-party code: it sees allowlisted staging copies (model/staging.py: weights as
+    # safetensors, JSON without auto_map, no Python file), never the directories as they are.
+    with tempfile.TemporaryDirectory(prefix="flashdraft-speculators-stage-") as staging, \
+            staged_model(Path(target), "target", Path(staging) / "target") as staged_target, \
+            staged_model(drafter_dir, "drafter", Path(staging) / "drafter") as staged_drafter, \
+            commit_dir(out, "drafter", stats=stats, lineage=lineage) as tmp:
         # The converter loads the verifier's embedding and LM head into the checkpoint, then reloads the result
         # with speculators' DFlashDraftModel (validate=True) before flashdraft commits it.
-        DFlashConverter().convert(drafter_dir, tmp, base_model=target, validate=True)
+        DFlashConverter().convert(staged_drafter, tmp, base_model=str(staged_target), validate=True)
+        named_as(tmp / "config.json", str(staged_target), target)  # its verifier is the target, not the copy
     log(f"export: speculators checkpoint written and verified at {out}")
     return stats
+
+
+def named_as(config_path: Path, staged: str, real: str) -> None:
+    """The written config with every string that names the staging copy naming the real directory instead (the
+    converter records the verifier's path, and speculators loads the verifier's head from there)."""
+
+    def renamed(value):
+        if isinstance(value, dict):
+            return {k: renamed(v) for k, v in value.items()}
+        if isinstance(value, list):
+            return [renamed(v) for v in value]
+        return value.replace(staged, real) if isinstance(value, str) else value
+
+    config_path.write_text(json.dumps(renamed(json.loads(config_path.read_text())), indent=2) + "\n")
