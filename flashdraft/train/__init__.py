@@ -224,6 +224,8 @@ def train_from(cfg: TrainConfig, data: Path, out: Path, target_path: str, where:
         "seconds": round(time.perf_counter() - started, 1),
         "world_size": where.world,
     }
+    if (source := getattr(s.target, "source", None)) is not None and source.reported:  # which models gave the states
+        stats["feature_servers"] = source.reported
     shipper.drafter(save_drafter(final, drafter_dir, stats=stats, lineage=lineage, dtype=cfg.export_dtype,
                                  target_lm_head=s.target.lm_head.weight))
     shipper.wait()

@@ -179,6 +179,7 @@ class EngineFeatures:
         self.endpoints, self.storage, self.log_path = list(endpoints), storage.resolve(), log_path
         self.layer_ids, self.hidden_size, self.name, self.first = list(layer_ids), hidden_size, name, first
         self.judge = judge
+        self.reported: dict[str, str] = {}  # a fleet's servers: the model each says it loaded (its path there)
         self.pool = ThreadPoolExecutor(max_workers=4 * len(self.endpoints), thread_name_prefix="engine-features")
 
     def features(self, input_ids_BT: torch.Tensor) -> torch.Tensor:
@@ -325,10 +326,12 @@ def fleet_features(cfg: TrainConfig, target_dir: str, layer_ids: list[int], hidd
     name = served_name(layer_ids)
     key = fleet_key(Path(cfg.engine_storage or ""))
     endpoints = [Endpoint(url=url.rstrip("/"), api_key=key) for url in cfg.engine_urls]
+    reported = {}  # what each server says it serves (vLLM's `root`: the model path it loaded)
     for endpoint in endpoints:
         start_one = f"start it with: {fleet_command(cfg, target_dir, layer_ids, endpoint.url or '')}"
         try:
-            listed = [m.get("id") for m in json.loads(ask(endpoint, "/v1/models", deadline_s=10))["data"]]
+            models = json.loads(ask(endpoint, "/v1/models", deadline_s=10))["data"]
+            listed = [m.get("id") for m in models]
         except EngineFailed as e:  # not answering, or answering without our key: the command that starts it right
             raise EngineFailed(f"{e}; {start_one}") from None
         except (ValueError, KeyError, TypeError, AttributeError):
@@ -336,8 +339,12 @@ def fleet_features(cfg: TrainConfig, target_dir: str, layer_ids: list[int], hidd
         if name not in listed:
             raise EngineFailed(f"{endpoint} serves {listed}, not {name} (the target's hidden states at layers "
                                f"{layer_ids}, which this run needs); {start_one}")
+        reported[str(endpoint)] = str(models[listed.index(name)].get("root"))[:500]
+    if len(set(reported.values())) > 1:  # one run, one target: servers that loaded different models are refused
+        raise EngineFailed(f"train.engine_urls: the servers loaded different models under {name}: {reported}")
     source = EngineFeatures(endpoints, Path(cfg.engine_storage or ""), layer_ids, hidden_size,
                             "the fleet servers' own logs", name, first=rank, judge=judge)
+    source.reported = reported
     # fixed sequences to each server: a model of the same shape with other weights chooses other next tokens
     probe = torch.tensor([PROBE] * len(endpoints))
     try:

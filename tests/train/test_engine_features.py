@@ -150,6 +150,9 @@ def test_a_target_fleet_gives_the_targets_distribution_too(tmp_path, engine_targ
     assert len(refused) == 2 and refused[0].startswith("cmpl-flashdraft-") and refused[1].endswith(".lock")
 
     trains_as_transformers_do(tmp_path, chat_dataset, dict(target=engine_target, **SETTINGS, **recipe), **shared)
+    # the drafter's manifest says which model each server loaded, as it reported it
+    stats = json.loads((tmp_path / "engine" / "drafter" / "manifest.json").read_text())["stats"]
+    assert stats["feature_servers"] == {url: engine_target}
     # every file it wrote for us was read once and deleted
     assert sorted(p.name for p in storage.iterdir() if p.name != ".flashdraft-fleet-key") == refused
 
