@@ -218,6 +218,10 @@ class EngineFeatures:
                                f"{expected} for the {len(ids)} sent)")
         if not bool(torch.isfinite(hidden).all()):
             raise EngineFailed(f"{endpoint}: hidden states that are not finite")
+        if not bool(hidden.any()):  # what vLLM's extraction gave for hybrid targets before the fix
+            raise EngineFailed(f"{endpoint}: hidden states that are all zero (vLLM before vllm-project/vllm#46301, "
+                               "merged 2026-06-21, returns zeros for hybrid Gated-DeltaNet/Mamba targets: serve the "
+                               "target with a vLLM that has it)")
         if self.judge is not None and chosen not in (ours := self.judge(hidden)):
             raise EngineFailed(
                 f"{endpoint} computes another model than this run's target: after the {len(ids)} tokens sent it chose "

@@ -283,3 +283,62 @@ def test_the_fleets_key_lives_in_the_shared_directory_for_its_owner_alone(tmp_pa
     (tmp_path / FLEET_KEY).chmod(0o644)
     with pytest.raises(EngineFailed, match="readable by others"):
         fleet_key(tmp_path)
+
+
+def answering(storage: Path, states: torch.Tensor, chosen: int):
+    """A loopback HTTP server answering /v1/completions as vLLM's extraction does: it writes `states` for the ids
+    sent into `storage` under the request's id, and says it chose `chosen`. Yields its URL."""
+    import http.server
+    import threading
+
+    from safetensors.torch import save_file
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def log_message(self, *args):
+            pass
+
+        def do_POST(self):
+            body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            path = storage / f"cmpl-{body['request_id']}-0-abcd1234.safetensors"
+            save_file({"hidden_states": states, "token_ids": torch.tensor(body["prompt"])}, str(path))
+            path.with_name(path.name + ".lock").write_bytes(b"")
+            answer = json.dumps({"choices": [{"token_ids": [chosen]}],
+                                 "kv_transfer_params": {"hidden_states_path": str(path)}}).encode()
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(answer)))
+            self.end_headers()
+            self.wfile.write(answer)
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return server, f"http://127.0.0.1:{server.server_address[1]}"
+
+
+def test_an_answer_is_judged_by_what_it_computed(tmp_path):
+    """Without vLLM: states of the right shape for the ids sent are refused when the server's chosen token is not
+    among the trainer's top 5 from them (another model), and when they are all zero (vLLM's hybrid bug); the ones
+    that agree are read, and only then deleted."""
+    from flashdraft.served import Endpoint
+    from flashdraft.train.engine_features import EngineFeatures
+
+    ids = [3, 1, 4, 1]
+    states = torch.randn(len(ids), 2, 8)
+    ours = [7, 8, 9, 10, 11]
+    for chosen, kept, pattern in [(42, states, "computes another model than this run's target"),
+                                  (7, torch.zeros_like(states), "all zero .* vllm-project/vllm#46301"),
+                                  (9, states, None)]:
+        storage = tmp_path / f"storage-{chosen}"
+        storage.mkdir()
+        server, url = answering(storage, kept, chosen)
+        source = EngineFeatures([Endpoint(url=url)], storage, [0, 1], 8, "log", judge=lambda hidden: ours)
+        try:
+            if pattern is None:
+                assert torch.equal(source.one(ids, source.endpoints[0]), states.reshape(len(ids), -1))
+                assert list(storage.iterdir()) == []  # read, checked, then deleted
+            else:
+                with pytest.raises(EngineFailed, match=pattern):
+                    source.one(ids, source.endpoints[0])
+                assert len(list(storage.iterdir())) == 2  # a refused answer's file is left alone
+        finally:
+            server.shutdown()
+            source.pool.shutdown()
