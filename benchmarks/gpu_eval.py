@@ -281,6 +281,7 @@ def memory_check(shape: dict, args, device: str, dtype) -> list[dict]:
     vocabulary (248,320 tokens; 4,096 with --tiny), at a quarter of `--anchors` and at all of them, beside what
     `estimate`'s formula says for it, and the step's time: `torch.cuda.max_memory_allocated` on a GPU, every tensor
     counted while it lives on a CPU (benchmarks/memory_counter.py)."""
+    from memory_bench import samples
     from memory_counter import MemoryCounter
 
     from flashdraft.config import TrainConfig
@@ -293,11 +294,7 @@ def memory_check(shape: dict, args, device: str, dtype) -> list[dict]:
     target = gpu_check.build_target({**shape, "vocab_size": vocab}, device, dtype)
     drafter = DFlashDrafter(draft_config(target.config, num_layers=5, block_size=16, mask_token_id=0)).to(device)
     target.watch(drafter.target_layer_ids)
-    rows = []
-    for _ in range(args.batch):
-        mask = torch.ones(args.seq_len, dtype=torch.long)
-        mask[: args.seq_len // 4] = 0
-        rows.append((torch.randint(1, vocab, (args.seq_len,)), mask))
+    rows = samples(vocab, args.seq_len, args.batch)
     features = [target.features(ids[None].to(device))[0] for ids, _ in rows]
     shape_of = TargetShape.from_config(target.config, "gpu_eval")
     results = []

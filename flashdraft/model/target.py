@@ -219,10 +219,8 @@ class Target:
         return self.forward(input_ids_BT)[1]
 
     def head_weight(self, drafter: DFlashDrafter) -> torch.Tensor:
-        """The LM head rows the drafter scores with (all of them, or its reduced draft vocabulary)."""
-        if getattr(self, "_head_for", None) is not drafter:
-            self._head, self._head_for = drafter.head_weight(self.lm_head.weight), drafter
-        return self._head
+        """The LM head rows the drafter scores with (all, or its reduced draft vocabulary), on the head's device."""
+        return self.heads_beside(drafter, self.lm_head.weight.device)[0]
 
     def heads_beside(self, drafter: DFlashDrafter, device, dtype: torch.dtype | None = None):
         """(the rows the drafter scores with, the whole LM head) on the drafter's device, in `dtype` (default: the
