@@ -60,6 +60,9 @@ def test_estimate_of_a_local_config_matches_the_real_drafter(cli, tmp_path, tiny
     assert gpu["target_params"] == sum(p.numel() for p in whole.parameters())
     assert gpu["target_params_from"] == "counted from its config" and gpu["target_bytes"] == 2 * gpu["target_params"]
     assert gpu["drafter_state_bytes"] == 16 * est["drafter_params"]
+    # each GPU's peak (README): the drafter's over its state, the target's over its weights
+    assert gpu["drafter_device_bytes"] > gpu["drafter_state_bytes"] + gpu["activation_bytes"] > 0
+    assert gpu["target_device_bytes"] > gpu["target_bytes"]
 
 
 def test_estimate_counts_a_dflash2_drafter_as_built(tiny_model_dir):
