@@ -81,8 +81,11 @@ def main() -> None:
             time.sleep(1)
     if MODE == "child":
         child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
-        with open(os.environ["STANDIN_PIDS"], "w") as f:
+        # written whole, then renamed: the test reads the file the moment it exists
+        pids = os.environ["STANDIN_PIDS"]
+        with open(pids + ".tmp", "w") as f:
             f.write(f"{os.getpid()} {child.pid}\n")
+        os.replace(pids + ".tmp", pids)
     serve(path)
 
 
