@@ -253,7 +253,7 @@ def main() -> None:
     if args.serve:
         serve(args.serve)
         return
-    from flashdraft.testing import seaweed_server
+    from tests.servers import seaweed_server
 
     sizes = [int(s) for s in args.sizes.split(",")]
     claim_work(args.work)

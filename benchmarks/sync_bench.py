@@ -27,7 +27,7 @@ BIN = Path(sys.executable).parent
 sys.path.insert(0, str(ROOT))
 
 from flashdraft.artifact.manifest import build_manifest, digest_files, write_manifest  # noqa: E402
-from flashdraft.testing import TcpForwarder, seaweed_server  # noqa: E402
+from tests.servers import TcpForwarder, seaweed_server  # noqa: E402
 
 
 def aws_cli() -> str:

@@ -303,9 +303,15 @@ class EvalConfig(Section):
     near_tie_ulps: NonNegative = 2
     seed: Seed = 0  # the sampling seed (temperature > 0)
     # temperature > 0: the whole measurement repeated over this many seeds (seed, seed + 1, …), in eval and in each
-    # engine; τ is then a random variable, reported with its mean and standard deviation over the seeds, and the
-    # engine's τ is judged against eval's by that spread (2 standard errors), not a fixed tolerance
+    # engine. A sampled τ is always reported with its standard error over prompts × seeds (each prompt under each
+    # seed is one draw), beside each seed's τ; an engine's τ agrees with eval's within 2 combined standard errors
+    # or 0.04, whichever is larger (evaluate/spread.py)
     seeds: Annotated[int, Field(ge=1, le=64)] = 1
+    # temperature > 0: how each draft is made. greedy: the drafter's argmax, accepted with the target's probability
+    # of it (vLLM's default draft_sample_method and llama.cpp's only rule: the τ a served user sees); sample: drawn
+    # from the drafter's distribution q and accepted with min(1, p/q) (vLLM's probabilistic). Both are lossless;
+    # their τ differ (evaluate/decode.py). eval starts vLLM with the matching draft_sample_method.
+    draft_sampling: Literal["greedy", "sample"] = "greedy"
     # auto: on CUDA, a static KV cache with the target's and drafter's passes captured as CUDA graphs; on a CPU,
     # the growing cache (faster there). static: the static cache on any device, and a target it cannot hold is
     # refused instead of decoded on the growing cache (evaluate/static.py says which). dynamic: the growing cache.
@@ -346,6 +352,8 @@ class EvalConfig(Section):
     def one_engine_at_a_url(self) -> EvalConfig:
         self.refuse_unused("seeds", self.temperature > 0,
                            "greedy decoding (temperature 0) repeats itself exactly under every seed")
+        self.refuse_unused("draft_sampling", self.temperature > 0,
+                           "at temperature 0 every draft is the drafter's argmax, checked token for token")
         if self.engine_only and not self.engines:
             raise ValueError("eval.engine_only measures in the engines alone: name one (eval.engine vllm or llamacpp)")
         if self.engine_url is not None and len(self.engines) != 1:

@@ -38,6 +38,15 @@ from flashdraft.errors import ExpectedFailure
 from flashdraft.guard import GRACE_S
 from flashdraft.layout import engines_dir
 
+# sitecustomize.py there: the runtime fixes vLLM's CPU build needs (flashdraft/vllm_cpu), put on the PYTHONPATH of
+# every vLLM process flashdraft starts; on a machine with a GPU they change nothing
+VLLM_CPU_FIXES = Path(__file__).parent / "vllm_cpu"
+
+
+def vllm_cpu_fixes_env() -> dict[str, str]:
+    """The environment that loads the CPU build's fixes ahead of anything already on PYTHONPATH."""
+    return {"PYTHONPATH": os.pathsep.join(filter(None, [str(VLLM_CPU_FIXES), os.environ.get("PYTHONPATH")]))}
+
 START_TIMEOUT_S = 600  # vLLM's CPU build loads and warms up in about a minute on 2 cores; compiling takes longer
 SERVED_NAME = "target"  # the name flashdraft serves the target under
 MAX_ANSWER_BYTES = 16 << 20  # a completion of a few thousand tokens, or a /metrics page, is far smaller

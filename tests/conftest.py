@@ -32,7 +32,7 @@ def cli():
 @pytest.fixture(scope="session")
 def seaweed(tmp_path_factory):
     """A real S3-compatible server (SeaweedFS `weed mini`) on 127.0.0.1, free ports, for the whole session."""
-    from flashdraft.testing import seaweed_server
+    from tests.servers import seaweed_server
 
     with seaweed_server(tmp_path_factory.mktemp("seaweed")) as server:
         yield server

@@ -381,7 +381,7 @@ def test_exported_files_have_the_mode_the_umask_gives(finished):
 
 
 def test_a_server_that_never_answers_shows_its_retries_and_fails_within_the_timeout(cli, tmp_path):
-    from flashdraft.testing import failing_endpoint
+    from tests.servers import failing_endpoint
 
     with failing_endpoint("m", "hang") as url:  # lists its model (preflight passes), then never answers a request
         config = write_config(tmp_path, generate={"max_retries": 1, "timeout_s": 1})
@@ -404,7 +404,7 @@ def test_a_server_that_dies_during_a_multipart_upload_is_one_error_naming_the_up
     """The abort that follows a failed part cannot reach the dead server either; the error said is the upload's."""
     from flashdraft.artifact.store import StoreError, open_store
     from flashdraft.artifact.sync import push
-    from flashdraft.testing import TcpForwarder
+    from tests.servers import TcpForwarder
 
     art = tmp_path / "big"
     art.mkdir()

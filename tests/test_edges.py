@@ -441,7 +441,7 @@ def test_a_resume_reads_metrics_to_their_last_complete_line_and_checks_a_crafted
 
 def test_an_api_key_a_server_echoes_back_is_never_written_or_printed(tmp_path):
     """A server that puts the request's bearer token into its error body (some proxies do)."""
-    from flashdraft.testing import failing_endpoint
+    from tests.servers import failing_endpoint
 
     prompts = tmp_path / "p.jsonl"
     prompts.write_text(json.dumps({"messages": [{"role": "user", "content": "Hi?"}]}) + "\n")

@@ -84,7 +84,7 @@ def test_only_a_holder_dead_in_this_very_namespace_is_taken_over(tmp_path, s3env
 def test_a_lease_that_cannot_be_renewed_stops_the_writes_and_its_thread_lives_on(tmp_path, s3env, monkeypatch):
     """The store goes away while a push holds the lease: the renewal thread keeps trying (it does not die with a
     traceback), and the holder stops writing well before another push may take the lease as lapsed."""
-    from flashdraft.testing import TcpForwarder
+    from tests.servers import TcpForwarder
 
     port = int(s3env.endpoint.rsplit(":", 1)[1])
     forwarder = TcpForwarder(port)

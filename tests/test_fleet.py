@@ -32,7 +32,7 @@ import torch
 import yaml
 from safetensors.torch import load_file
 
-from flashdraft.testing import transformers_serve
+from tests.servers import transformers_serve
 
 # Checkpoints every 2 steps, the store keeps the last 2: "two pushes seen" holds from step 4 on, so the run must be
 # long enough that the kill lands mid-run even when this process polls slowly on a loaded machine (at 12 steps a

@@ -25,7 +25,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from flashdraft.testing import free_port_block, transformers_serve
+from tests.servers import free_port_block, transformers_serve
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLE = ROOT / "examples" / "qwen3.6-27b.yaml"

@@ -197,6 +197,10 @@ def evaluate(
     seeds: Annotated[int | None, typer.Option(
         help="temperature > 0: repeat the measurement over this many seeds (eval's and each engine's τ with their "
              "spread).")] = None,
+    draft_sampling: Annotated[str | None, typer.Option(
+        help="temperature > 0: greedy (the drafter's argmax, accepted with the target's probability of it: vLLM's "
+             "default and llama.cpp's rule, the τ a served user sees) or sample (drawn from the drafter, vLLM's "
+             "probabilistic); default greedy.")] = None,
     max_prompts: Annotated[int | None, typer.Option(help="Prompts per --prompts set.")] = None,
     thinking: Annotated[str | None, typer.Option(
         help="on | off | on,off: enable_thinking in the chat template; on,off measures every prompt in both modes "
@@ -229,6 +233,7 @@ def evaluate(
         "eval.max_new_tokens": max_new_tokens,
         "eval.temperature": temperature,
         "eval.seeds": seeds,
+        "eval.draft_sampling": draft_sampling,
         "eval.max_prompts": max_prompts,
         "eval.thinking": thinking_modes(thinking),
         "eval.decoding": decoding,

@@ -50,8 +50,9 @@ from flashdraft.artifact.ownership import commit_dir, hold_output
 from flashdraft.config import EvalConfig
 from flashdraft.errors import BadInput, ExpectedFailure
 from flashdraft.evaluate.decode import SpecDecoder, divergence, target_only, until_stop
-from flashdraft.evaluate.report import dspark_summary, judged, markdown_report, over_seeds_spread, plot, summarize
+from flashdraft.evaluate.report import dspark_summary, markdown_report, plot, summarize
 from flashdraft.evaluate.sets import load_eval_sets
+from flashdraft.evaluate.spread import add_engine_errors, judged, over_seeds_spread
 from flashdraft.evaluate.static import StaticSpecDecoder, cuda_graphs, static_unsupported
 from flashdraft.layout import require_drafter
 from flashdraft.model.dspark import is_dspark
@@ -172,6 +173,8 @@ def eval_lineage(cfg: EvalConfig, drafter_dir: Path, target_path: str, prompts: 
     engine_keys = {"engine", "engine_url", "engine_python", "engine_baseline", "engine_only"}
     # settings added later keep a report made before them current while they are at their defaults
     later = {key for key, default in (("engine_only", False), ("seeds", 1)) if getattr(cfg, key) == default}
+    if cfg.temperature == 0:  # every draft is the argmax at temperature 0, whatever the rule
+        later.add("draft_sampling")
     measured = cfg.model_dump(exclude=(engine_keys if not cfg.engines else {"engine_url", "engine_python"}) | later)
     return Lineage(inputs=[identity(drafter_dir), sha256_json([asdict(prompt) for prompt in prompts])],
                    config=sha256_json({"eval": measured, "target": identity(target_path)}))
@@ -225,7 +228,8 @@ def prepare_decoding(cfg: EvalConfig, drafter_dir: Path, target_path: str, promp
     tokenizer = AutoTokenizer.from_pretrained(target_path)
     stop_ids = stop_token_ids(tokenizer, target.model.generation_config.eos_token_id)
     decoder, machinery = choose_decoder(cfg, target, drafter, stop_ids, log)
-    uncut = SpecDecoder(target, drafter, stop_ids) if cfg.confidence_threshold is not None else None
+    uncut = SpecDecoder(target, drafter, stop_ids, draft_sampling=cfg.draft_sampling) \
+        if cfg.confidence_threshold is not None else None
     # transformers < 5.25 marks hybrid linear-attention models stateful and its assisted generation refuses
     # them; 5.25 rolls their state back itself and runs prompt lookup on them.
     stateful = getattr(target.model, "_is_stateful", False)
@@ -235,7 +239,10 @@ def prepare_decoding(cfg: EvalConfig, drafter_dir: Path, target_path: str, promp
     turns = sum(1 + len(p.follow_ups) for p in prompts)
     modes = " and ".join("on" if mode else "off" for mode in cfg.thinking_modes)
     log(f"eval: {len(prompts)} prompts ({turns} turns) from {len(sets)} set(s), {cfg.max_new_tokens} new tokens "
-        f"a turn, temperature {cfg.temperature}, thinking {modes}; decoding: {machinery}")
+        f"a turn, temperature {cfg.temperature}"
+        + (f" ({cfg.draft_sampling} draft rule, {cfg.seeds} seed{'s' if cfg.seeds > 1 else ''})"
+           if cfg.temperature > 0 else "")
+        + f", thinking {modes}; decoding: {machinery}")
     render = renderer(tokenizer)
     if isinstance(decoder, StaticSpecDecoder):
         # Buffers for the whole run, reserved once: new buffers mid-run would mean new graphs, captured while
@@ -358,7 +365,10 @@ def eval_report(cfg: EvalConfig, d: Decoding, per_prompt: list[dict], rejected: 
     stats = {key: report[key] for key in STATS}
     if report.get("tau_over_seeds"):
         stats["tau_over_seeds"] = report["tau_over_seeds"]
-    stats["by_dataset"] = {name: {key: block[key] for key in ("acceptance_length", "speedup", "lossless", "prompts")}
+    kept = ("acceptance_length", "standard_error", "speedup", "lossless", "prompts")
+    if "standard_error" in report:
+        stats["standard_error"] = report["standard_error"]
+    stats["by_dataset"] = {name: {key: block[key] for key in kept if key in block}
                            for name, block in report["by_dataset"].items()}
     return report, stats
 
@@ -413,7 +423,7 @@ def say_done(cfg: EvalConfig, out: Path, report: dict, stats: dict, per_prompt: 
         log(f"eval: {len(rejected)} records could not be formatted; reasons in {out / 'rejected.jsonl'}")
     if cfg.engine_only:
         measured = "; ".join(
-            f"{name} τ {served['overall']['acceptance_length']:.2f}, {served['tokens_per_s']:g} tokens/s"
+            f"{name} τ {with_error(served['overall'])}, {served['tokens_per_s']:g} tokens/s"
             + (f" ({served['speedup']:.2f}× without the drafter)" if served.get("speedup") else "")
             for name, served in report["engines"].items()
             if (served.get("overall") or {}).get("acceptance_length") is not None)
@@ -424,7 +434,9 @@ def say_done(cfg: EvalConfig, out: Path, report: dict, stats: dict, per_prompt: 
                if report["lossless"] is not None else
                f"lossless not checked (sampled at temperature {cfg.temperature}: drafts pass by rejection sampling)")
     log(
-        f"eval: done, verified — {out}: τ {report['acceptance_length']:.2f}, speedup {report['speedup']:.2f}× vs "
+        f"eval: done, verified — {out}: τ {with_error(report)}"
+        + (f" ({cfg.draft_sampling} draft rule)" if cfg.temperature > 0 else "")
+        + f", speedup {report['speedup']:.2f}× vs "
         f"target-only (per prompt: median {per['median']:.2f}×, 10–90 % {per['p10']:.2f}–{per['p90']:.2f}×), "
         f"{checked}; prompt lookup "
         + (f"τ {report['lookup_acceptance_length']:.2f}, {report['lookup_speedup']:.2f}×"
@@ -452,11 +464,19 @@ def engine_report(cfg: EvalConfig, name: str, prompts: list, render: Callable, t
     engine = measure(name, turns, render, target_dir=Path(target_path), drafter_dir=drafter_dir,
                      block_size=block_size, max_new_tokens=cfg.max_new_tokens, longest_prompt=longest, logs=logs,
                      shown_log=out, url=cfg.engine_url, python=cfg.engine_python, baseline=cfg.engine_baseline,
-                     dspark=dspark, temperature=cfg.temperature,
+                     dspark=dspark, temperature=cfg.temperature, draft_sampling=cfg.draft_sampling,
                      seeds=tuple(seeds_of(cfg)) if sampled else (None,), log=log)
-    if verdict := judged(engine.get("tau_over_seeds"), report.get("tau_over_seeds")):
-        engine["judged"] = verdict  # at temperature > 0 the two τ agree when within their spread, not to a constant
     tau = (engine["overall"] or {}).get("acceptance_length")
+    if sampled:  # a sampled τ is a random variable: each comes with its standard error, and is judged by it
+        add_engine_errors(engine)
+        engine["draft_rule"] = engine_draft_rule(name, cfg.draft_sampling)
+        if name == "llamacpp" and cfg.draft_sampling == "sample":
+            engine["not_comparable"] = ("llama.cpp drafts greedily (the argmax, accepted with the target's "
+                                        "probability of it); eval drafted with the sample rule: measure with "
+                                        "--draft-sampling greedy to compare")
+        elif verdict := judged(tau, (engine["overall"] or {}).get("standard_error"), report["acceptance_length"],
+                               report.get("standard_error")):
+            engine["judged"] = verdict  # the two τ agree when within their spread, not to a constant
     engine["flashdraft_acceptance_length"] = report["acceptance_length"]
     if tau is None:
         if passes:  # eval verified drafts, the engine counted none: it is not speculating with this drafter
@@ -472,9 +492,31 @@ def engine_report(cfg: EvalConfig, name: str, prompts: list, render: Callable, t
         log(f"eval: {name} τ {tau:.2f} ({overall['accepted_tokens']} accepted tokens in {overall['drafts']} drafts)")
         return engine
     engine["difference"] = round(tau - report["acceptance_length"], 4)
-    log(f"eval: {name} τ {tau:.2f} ({overall['accepted_tokens']} accepted tokens in {overall['drafts']} "
-        f"drafts) beside eval's τ {report['acceptance_length']:.2f}")
+    log(f"eval: {name} τ {with_error(overall)} ({overall['accepted_tokens']} accepted tokens in {overall['drafts']} "
+        f"drafts) beside eval's τ {with_error(report)}" + (f": {verdict_words(engine['judged'])}"
+                                                           if engine.get("judged") else ""))
     return engine
+
+
+def engine_draft_rule(engine: str, draft_sampling: str) -> str:
+    """The rule an engine drafted with: vLLM's is set to match eval's; llama.cpp has only the greedy one."""
+    if engine == "llamacpp":
+        return "greedy (llama.cpp's only rule)"
+    return f"{draft_sampling} (draft_sample_method {'probabilistic' if draft_sampling == 'sample' else 'greedy'})"
+
+
+def with_error(block: dict[str, Any]) -> str:
+    """τ as printed: with its standard error where it was sampled."""
+    if "standard_error" not in block:
+        return f"{block['acceptance_length']:.2f}"
+    se = block["standard_error"]
+    return f"{block['acceptance_length']:.3f} ± {se:.3f}" if se is not None else \
+        f"{block['acceptance_length']:.3f} (one draw: no spread)"
+
+
+def verdict_words(verdict: dict[str, Any]) -> str:
+    return (f"difference {verdict['difference']:+.3f}, {'within' if verdict['agrees'] else 'BEYOND'} "
+            f"{verdict['bound']:.3f} (2 combined standard errors over prompts × seeds, at least 0.04)")
 
 
 def check_confidence(cfg: EvalConfig, drafter, drafter_dir: Path) -> None:
@@ -492,24 +534,28 @@ def check_confidence(cfg: EvalConfig, drafter, drafter_dir: Path) -> None:
 def choose_decoder(cfg: EvalConfig, target: Target, drafter, stop_ids: set[int],
                    log: Callable[[str], None]) -> tuple[SpecDecoder, str]:
     """The decoder `eval.decoding` asks for and the target allows, and the words the report says it with."""
+    rule = cfg.draft_sampling
     if is_dspark(drafter):  # the static cache and its CUDA graphs are written for DFlash's K − 1 drafts
         if cfg.decoding == "static":
             raise BadInput("eval.decoding static is not written for DSpark drafters yet: use auto or dynamic")
-        return (SpecDecoder(target, drafter, stop_ids, cfg.confidence_threshold, cfg.confidence_rule),
+        return (SpecDecoder(target, drafter, stop_ids, cfg.confidence_threshold, cfg.confidence_rule, rule),
                 "growing KV cache (DSpark: the static cache is written for DFlash and DFlash2)")
     if cfg.decoding == "dynamic":
-        return SpecDecoder(target, drafter, stop_ids), "growing KV cache (eval.decoding: dynamic)"
+        return SpecDecoder(target, drafter, stop_ids, draft_sampling=rule), "growing KV cache (eval.decoding: dynamic)"
     why = static_unsupported(target)
     if why is not None:
         if cfg.decoding == "static":
             raise BadInput(f"eval.decoding is static, but the static KV cache cannot hold {target.path}: {why}")
         log(f"eval: decoding on the growing KV cache, without CUDA graphs: {why}")
-        return SpecDecoder(target, drafter, stop_ids), f"growing KV cache ({why})"
+        return SpecDecoder(target, drafter, stop_ids, draft_sampling=rule), f"growing KV cache ({why})"
     if target.lm_head.weight.device.type == "cuda":
-        return StaticSpecDecoder(target, drafter, stop_ids, compiler=cuda_graphs), "static KV cache, CUDA graphs"
+        return (StaticSpecDecoder(target, drafter, stop_ids, compiler=cuda_graphs, draft_sampling=rule),
+                "static KV cache, CUDA graphs")
     if cfg.decoding == "auto":  # on a CPU, every pass attending over all reserved positions is slower (RESULTS.md)
-        return SpecDecoder(target, drafter, stop_ids), "growing KV cache (on a CPU, where it is the faster)"
-    return StaticSpecDecoder(target, drafter, stop_ids), "static KV cache (CUDA graphs only on a GPU)"
+        return SpecDecoder(target, drafter, stop_ids, draft_sampling=rule), \
+            "growing KV cache (on a CPU, where it is the faster)"
+    return (StaticSpecDecoder(target, drafter, stop_ids, draft_sampling=rule),
+            "static KV cache (CUDA graphs only on a GPU)")
 
 
 def warm_up(decoder: StaticSpecDecoder, ids: list[int], target: Target, drafter, stop_ids: set[int],
@@ -523,7 +569,8 @@ def warm_up(decoder: StaticSpecDecoder, ids: list[int], target: Target, drafter,
     except Exception as e:  # a torch.compile failure has many types; none may cost the eval
         why = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
         log(f"eval: capturing CUDA graphs failed ({why}); decoding on the static cache without them")
-        return StaticSpecDecoder(target, drafter, stop_ids), f"static KV cache (CUDA graphs failed: {why})"
+        return (StaticSpecDecoder(target, drafter, stop_ids, draft_sampling=decoder.draft_sampling),
+                f"static KV cache (CUDA graphs failed: {why})")
     log(f"eval: CUDA graphs captured in {time.perf_counter() - started:.0f} s")
     return decoder, "static KV cache, CUDA graphs"
 

@@ -4,9 +4,16 @@ One step (`SpecDecoder.step`): the drafter proposes K−1 tokens in one pass fro
 cached context (DFlash2: then walks the block from the anchor, re-ranking each slot's top-K′ with the token
 before it); the target verifies [anchor, drafts] in one pass; the longest matching prefix is accepted plus
 the target's own next token (the bonus, the next anchor); the target's KV cache is cropped to what was accepted
-and the accepted positions' features are appended to the drafter's context cache. With temperature > 0 drafts
-are accepted with probability min(1, p/q) and rejections resampled from (p − q)+, q being the distribution each
-draft was drawn from.
+and the accepted positions' features are appended to the drafter's context cache.
+
+At temperature > 0 a draft rule (`draft_sampling`) says how the drafts are made, and verification follows from it:
+- `greedy` (the default; vLLM's `draft_sample_method: greedy` and llama.cpp, the engines' only or default rule):
+  each draft is the drafter's argmax x̂, accepted with the target's probability p(x̂) and, when rejected, replaced by
+  a draw from p with x̂ removed. That is rejection sampling against a one-hot q, so it is lossless as well.
+- `sample` (vLLM's `probabilistic`): each draft is drawn from the drafter's own distribution q, accepted with
+  min(1, p/q) and, when rejected, replaced by a draw from (p − q)+.
+The two accept a draft with different probabilities (p(x̂), against Σ min(p, q) = 1 − TV(p, q) on average), so
+their τ differ: eval measures with the rule the engine a user serves with will use.
 """
 
 from __future__ import annotations
@@ -23,6 +30,8 @@ from flashdraft.model.drafter import DFlashDrafter
 from flashdraft.model.dspark import is_dspark
 from flashdraft.model.objective import acceptance_length, block_attention_mask
 from flashdraft.model.target import Target
+
+DRAFT_RULES = ("greedy", "sample")  # how drafts are made at temperature > 0: the argmax, or a draw from q
 
 
 @dataclass
@@ -158,9 +167,12 @@ class SpecDecoder:
     (vLLM, SGLang)."""
 
     def __init__(self, target: Target, drafter: DFlashDrafter, stop_ids: set[int],
-                 confidence_threshold: float | None = None, confidence_rule: str = "first") -> None:
+                 confidence_threshold: float | None = None, confidence_rule: str = "first",
+                 draft_sampling: str = "greedy") -> None:
+        assert draft_sampling in DRAFT_RULES, draft_sampling
         self.target, self.drafter, self.stop_ids = target, drafter.eval(), stop_ids
         self.confidence_threshold, self.confidence_rule = confidence_threshold, confidence_rule
+        self.draft_sampling = draft_sampling
         target.watch(drafter.target_layer_ids)
         self.embed = target.model.get_input_embeddings()
         self.lm_head = target.lm_head
@@ -227,19 +239,25 @@ class SpecDecoder:
                         for (k0, v0), (k1, v1) in zip(state.ctx_kv, new_kv, strict=True)]
         return state.emit(emitted)
 
+    def sampled(self, temperature: float) -> bool:
+        """Whether drafts are drawn from the drafter's distribution (the `sample` rule at T > 0); otherwise each is
+        its argmax, and verification treats q as one-hot on it (None)."""
+        return temperature > 0 and self.draft_sampling == "sample"
+
     def _draft(self, hidden_KD, anchor: int, temperature: float, sampler: Sampler):
-        """The K−1 drafts of a block, and at T > 0 the distribution q each was drawn from (for verification).
+        """The K−1 drafts of a block, and under the `sample` rule the distribution q each was drawn from (for
+        verification; None for argmax drafts).
         DFlash: each slot from its own logits. DFlash2: a walk from the anchor through the selector's re-ranked
         top-K′ — q is softmax(score / T) over those K′ candidates and 0 elsewhere, still an exact distribution,
         so rejection sampling against it stays lossless (tests/evaluate/test_sampling.py enumerates it)."""
         logits = self.drafter.unary_logits(hidden_KD[1:].to(self.draft_head.dtype) @ self.draft_head.T)
         logits = self.drafter.to_target_vocab(logits, self.target.config.vocab_size)  # each slot its own position
         if not is_dflash2(self.drafter):
-            if temperature <= 0:
+            if not self.sampled(temperature):
                 return logits.argmax(-1), None
             q = torch.softmax(logits.float() / temperature, dim=-1)
             return torch.tensor([sampler.token(row) for row in q], device=logits.device), q
-        if temperature <= 0:
+        if not self.sampled(temperature):
             drafts, _, _ = self.drafter.walk(logits, hidden_KD[1:], anchor, lambda score: score.argmax())
             return drafts, None
         drafts, candidates, scores = self.drafter.walk(
@@ -256,7 +274,7 @@ class SpecDecoder:
         base = hidden_KD.to(self.draft_head.dtype) @ self.draft_head.T
 
         def pick(logits):
-            if temperature <= 0:
+            if not self.sampled(temperature):
                 return logits.argmax(-1)
             return sampler.token(torch.softmax(logits.float() / temperature, dim=-1))
 
@@ -269,7 +287,7 @@ class SpecDecoder:
                 length = proposal_length(values, self.confidence_threshold, self.confidence_rule)
         state.proposed.append(length)
         drafts, rows = drafts[:length], rows[:length]
-        if temperature <= 0:
+        if not self.sampled(temperature):
             return drafts, None
         rows = self.drafter.to_target_vocab(rows, self.target.config.vocab_size)
         return drafts, torch.softmax(rows.float() / temperature, dim=-1)
@@ -300,7 +318,8 @@ def pick_token(logits: torch.Tensor, temperature: float, sampler: Sampler) -> in
 
 def verify_drafts(drafts, q, target_logits, temperature: float, sampler: Sampler) -> list[int]:
     """The tokens a step emits: the accepted drafts, then the bonus token. target_logits[j] is the target's
-    distribution for block position j+1; q[j] the distribution draft j was drawn from (T > 0). Greedy, the host
+    distribution for block position j+1; q[j] the distribution draft j was drawn from (T > 0, the `sample` rule),
+    or None for argmax drafts (the `greedy` rule: q one-hot on the draft). Greedy decoding (T 0), the host
     waits on the device once: the accepted count and the target's own tokens come back in one read (the accepted
     drafts are the target's own tokens up to the first mismatch)."""
     if temperature <= 0:
@@ -310,9 +329,14 @@ def verify_drafts(drafts, q, target_logits, temperature: float, sampler: Sampler
         return read[1 : read[0] + 2]
     p = torch.softmax(target_logits.float() / temperature, dim=-1)
     for j, token in enumerate(drafts.tolist()):
-        if sampler.accept(min(1.0, float(p[j, token] / q[j, token]))):
+        if sampler.accept(min(1.0, float(p[j, token] / (q[j, token] if q is not None else 1.0)))):
             continue
-        residual = (p[j] - q[j]).clamp(min=0)  # rejected: resample from where the target wants more than q gave
+        # rejected: resample from where the target wants more than q gave (one-hot q: p without the draft)
+        if q is not None:
+            residual = (p[j] - q[j]).clamp(min=0)
+        else:
+            residual = p[j].clone()
+            residual[token] = 0
         return drafts[:j].tolist() + [sampler.token(residual / residual.sum() if residual.sum() > 0 else p[j])]
     return drafts.tolist() + [sampler.token(p[-1])]
 

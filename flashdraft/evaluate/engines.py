@@ -33,7 +33,7 @@ from typing import Any, NamedTuple
 from pydantic import BaseModel, Field, ValidationError
 
 from flashdraft.layout import cache_dir, engines_dir
-from flashdraft.served import SERVED_NAME, Endpoint, EngineFailed, ask, check_installed, served
+from flashdraft.served import SERVED_NAME, Endpoint, EngineFailed, ask, check_installed, served, vllm_cpu_fixes_env
 
 ENGINES = ("vllm", "llamacpp")
 
@@ -147,11 +147,12 @@ def read_counters(endpoint: Endpoint, positions: int) -> Counters:
 
 
 def vllm_command(python: Path, target_dir: Path, drafter_dir: Path | None, block_size: int, where: Path | int,
-                 max_model_len: int, dspark: bool = False) -> list[str]:
+                 max_model_len: int, dspark: bool = False, draft_sampling: str = "greedy") -> list[str]:
     """vLLM's OpenAI server on the Unix socket `where` (or, given a port, on loopback: generate's tests): float32
     (as eval decodes on a CPU), eager (no minutes of compiling), the drafter as `method: dflash` with block_size − 1
     speculative tokens (one bonus query and K mask queries: the drafter's block), or a DSpark drafter as `method:
-    dspark` with block_size tokens (every slot of its anchor-first block drafts). `python -m …api_server`: the CPU
+    dspark` with block_size tokens (every slot of its anchor-first block drafts), drafting by eval's draft rule
+    (`draft_sample_method`: greedy, or probabilistic for `sample`). `python -m …api_server`: the CPU
     build's `vllm` entry point looks for a distribution named vllm."""
     command = [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(target_dir),
                "--served-model-name", SERVED_NAME, *(["--uds", str(where)] if isinstance(where, Path) else
@@ -162,7 +163,8 @@ def vllm_command(python: Path, target_dir: Path, drafter_dir: Path | None, block
                "--max-num-batched-tokens", str(max_model_len)]
     if drafter_dir is not None:
         spec = {"method": "dspark" if dspark else "dflash", "model": str(drafter_dir),
-                "num_speculative_tokens": drafts_per_step(block_size, dspark)}
+                "num_speculative_tokens": drafts_per_step(block_size, dspark),
+                "draft_sample_method": "probabilistic" if draft_sampling == "sample" else "greedy"}
         command += ["--speculative-config", json.dumps(spec)]
     return command
 
@@ -301,7 +303,7 @@ def over_seeds(engine: str, endpoint: Endpoint, turns: Turns, render: Callable, 
     """decode_all once a seed: the draft counts pooled over the seeds, seconds, tokens, and what goes into the
     report beside them: each prompt's row (`prompts`) and, over several seeds, each seed's overall τ with their
     mean and standard deviation (`tau_over_seeds`)."""
-    from flashdraft.evaluate.report import over_seeds_spread
+    from flashdraft.evaluate.spread import over_seeds_spread
 
     pooled: Cells = {}
     seconds, tokens, taus, answers = 0.0, 0, {}, []
@@ -404,7 +406,8 @@ def llamacpp_command(server: Path, target_gguf: Path, drafter_gguf: Path | None,
 def measure(engine: str, turns: Turns, render: Callable, *, target_dir: Path, drafter_dir: Path, block_size: int,
             max_new_tokens: int, longest_prompt: int, logs: Path, shown_log: Path, url: str | None = None,
             python: str | None = None, baseline: bool = True, dspark: bool = False, temperature: float = 0.0,
-            seeds: tuple[int | None, ...] = (None,), log: Callable[[str], None] = print) -> dict[str, Any]:
+            seeds: tuple[int | None, ...] = (None,), draft_sampling: str = "greedy",
+            log: Callable[[str], None] = print) -> dict[str, Any]:
     """The engine's τ, acceptance by position (vLLM counts it) and tokens/s on `turns`: on the server at `url`, or
     on one started here with the drafter (and, with `baseline`, once more without it, for tokens/s without
     speculation). llama.cpp serves GGUF files: the drafter and the target are converted first (export_gguf, in
@@ -422,7 +425,7 @@ def measure(engine: str, turns: Turns, render: Callable, *, target_dir: Path, dr
     def command(with_drafter: bool) -> Callable[[Path], list[str]]:
         if engine == "vllm":
             return lambda where: vllm_command(program, target_dir, drafter_dir if with_drafter else None, block_size,
-                                              where, context, dspark)
+                                              where, context, dspark, draft_sampling)
         return lambda where: llamacpp_command(program, gguf / gguf_stats["target_file"],
                                               gguf / gguf_stats["drafter_file"] if with_drafter else None,
                                               block_size, where, context, dspark)
@@ -436,13 +439,15 @@ def measure(engine: str, turns: Turns, render: Callable, *, target_dir: Path, dr
         gguf_stats = export_gguf(drafter_dir, str(target_dir), gguf, outtype="f32", log=log)
     result: dict[str, Any] = {"engine": engine}
     name = f"engine-{engine}.log"
-    with served(command(True), logs / name, log, shown_log / name) as endpoint:
+    # vLLM's CPU build samples at T > 0 only with flashdraft's fix for vllm#55005 (flashdraft/vllm_cpu)
+    env = vllm_cpu_fixes_env() if engine == "vllm" else None
+    with served(command(True), logs / name, log, shown_log / name, env=env) as endpoint:
         by_set, seconds, tokens, extra = over_seeds(engine, endpoint, turns, render, max_new_tokens, positions,
                                                       temperature, seeds)
     result |= summary(by_set) | {"tokens_per_s": round(tokens / seconds, 2), "tokens": tokens} | extra
     if baseline:  # tokens/s without the drafter: one pass over the prompts (the first seed's) is enough
         name = f"engine-{engine}-target-only.log"
-        with served(command(False), logs / name, log, shown_log / name) as endpoint:
+        with served(command(False), logs / name, log, shown_log / name, env=env) as endpoint:
             plain, seconds, plain_tokens = decode_all(engine, endpoint, turns, render, max_new_tokens, positions,
                                                       temperature, seeds[0])
         speedups(result, plain)

@@ -9,12 +9,16 @@ from typing import Any
 
 from flashdraft.artifact.atomic import atomic_open
 from flashdraft.config import EvalConfig
+from flashdraft.evaluate.spread import eval_draws, tau_error
 from flashdraft.model.objective import acceptance_length, expected_acceptance_length
 
 
 def summarize(per_prompt: list[dict], block_size: int, cfg: EvalConfig) -> dict[str, Any]:
+    sampled = cfg.temperature > 0
+
     def block(rows: list[dict]) -> dict[str, Any]:
         steps = [n for r in rows for n in r["accepted"]]
+        error = tau_error(eval_draws(rows)) if sampled else None
         reach = [sum(n >= k for n in steps) for k in range(block_size)]  # reach[k]: steps with ≥ k accepted
         by_position = [reach[k] / len(steps) if steps else 0.0 for k in range(1, block_size)]
         conditional = [reach[k] / reach[k - 1] if reach[k - 1] else float("nan") for k in range(1, block_size)]
@@ -31,6 +35,8 @@ def summarize(per_prompt: list[dict], block_size: int, cfg: EvalConfig) -> dict[
             # with it, which SPEED-Bench's throughput sets measure
             "prompt_tokens_mean": round(statistics.fmean([r["prompt_tokens"] for r in rows]), 1),
             "acceptance_length": acceptance_length(steps),
+            # temperature > 0: τ's standard error over prompts × seeds (evaluate/spread.py; None: one draw)
+            **({"standard_error": error["standard_error"] if error else None} if sampled else {}),
             # z-lab's benchmark averages each turn's own τ (a short answer weighs as much as a long one)
             "acceptance_length_mean_per_turn": statistics.fmean(
                 [acceptance_length(r["accepted"]) for r in rows if r["accepted"]] or [0.0]),
@@ -106,16 +112,18 @@ def markdown_report(report: dict[str, Any]) -> str:
     """The per-dataset τ table (report.md, and what eval prints), with what it was measured under."""
     cfg = report["config"]
     if report.get("engine_only"):  # the engines' tables alone: eval decoded nothing itself
-        lines = [f"engine only — thinking {thinking_words(cfg['thinking'])}, greedy, up to {cfg['max_new_tokens']} "
-                 f"new tokens a turn, {report['prompts']} prompts; eval's own decoding was not run"]
+        lines = [f"engine only — thinking {thinking_words(cfg['thinking'])}, {sampling_words(cfg)}, up to "
+                 f"{cfg['max_new_tokens']} new tokens a turn, {report['prompts']} prompts; eval's own decoding was "
+                 "not run"]
         for engine in report.get("engines", {}).values():
             lines += ["", *engine_table(engine, report)]
         return "\n".join(lines) + "\n"
     lossless = {True: "yes", False: "**no**", None: "not checked (sampled)"}
     lines = [
-        f"τ by dataset — thinking {thinking_words(cfg['thinking'])}, temperature {cfg['temperature']}, "
+        f"τ by dataset — thinking {thinking_words(cfg['thinking'])}, {sampling_words(cfg)}, "
         f"up to {cfg['max_new_tokens']} new tokens a turn, {report['target_dtype']} target, "
         f"decoding: {report['decoding']}",
+        *([SE_NOTE] if cfg["temperature"] > 0 else []),
         "",
         "| dataset | turns | input tokens | τ | τ, mean per turn | acceptance by position 1…K−1 | speedup | lossless |",
         "|---|---:|---:|---:|---:|---|---:|---|",
@@ -139,18 +147,58 @@ def markdown_report(report: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def seeds_line(engine: dict[str, Any], report: dict[str, Any]) -> str | None:
-    """Over several seeds: the engine's τ and eval's, each mean ± standard deviation, and the verdict."""
-    theirs, ours, verdict = engine.get("tau_over_seeds"), report.get("tau_over_seeds"), engine.get("judged")
-    if not theirs:
-        return None
-    line = f"over {theirs['n']} seeds: engine τ {theirs['mean']:.3f} ± {theirs['std']:.3f}"
-    if ours:
-        line += f", eval's {ours['mean']:.3f} ± {ours['std']:.3f}"
-    if verdict:
-        line += (f"; difference {verdict['difference']:+.3f}, " + ("within" if verdict["agrees"] else "**beyond**")
-                 + f" 2 standard errors ({verdict['bound']:.3f})")
-    return line
+SE_NOTE = ("τ ± its standard error over prompts × seeds (a prompt's conversation under one seed is one draw); "
+           "turns count each seed's")
+
+
+def sampling_words(cfg: dict[str, Any]) -> str:
+    """`greedy`, or the temperature with the draft rule and the seeds (a turn is counted once a seed)."""
+    if not cfg["temperature"]:
+        return "greedy"
+    seeds = [cfg["seed"] + i for i in range(cfg.get("seeds", 1))]
+    rule = cfg.get("draft_sampling", "greedy")
+    return (f"temperature {cfg['temperature']:g}, draft rule {rule} ({RULE_WORDS[rule]}), "
+            + (f"seed {seeds[0]}" if len(seeds) == 1 else f"seeds {', '.join(map(str, seeds))}"))
+
+
+RULE_WORDS = {"greedy": "argmax drafts, accepted with the target's probability of each",
+              "sample": "drafts drawn from the drafter, accepted with min(1, p/q)"}
+
+
+def judgement_lines(engine: dict[str, Any], report: dict[str, Any]) -> list[str]:
+    """At temperature > 0: the engine's τ against eval's, judged by their standard errors over prompts × seeds; and,
+    over several seeds, each seed's τ (their standard deviation alone is too noisy to judge by)."""
+    lines = []
+    if comparable := engine.get("not_comparable"):
+        lines.append(f"not judged against eval's τ: {comparable}")
+    if verdict := engine.get("judged"):
+        lines.append(f"difference from eval's τ {verdict['difference']:+.3f}: "
+                     + ("within" if verdict["agrees"] else "**beyond**")
+                     + f" {verdict['bound']:.3f} (2 combined standard errors, "
+                     f"{verdict['combined_standard_error']:.3f}, or 0.04, whichever is larger); this run would have "
+                     f"found a difference of {verdict['detectable']:.3f} 4 times in 5")
+    theirs, ours = engine.get("tau_over_seeds"), report.get("tau_over_seeds")
+    if theirs:
+        line = f"each seed's τ: engine {seeds_words(theirs)}"
+        if ours:
+            line += f"; eval {seeds_words(ours)}"
+        lines.append(line)
+    return lines
+
+
+def seeds_words(spread: dict[str, Any]) -> str:
+    return " / ".join(f"{tau:.3f}" for tau in spread["by_seed"].values()) + f" (sd {spread['std']:.3f})"
+
+
+def tau_cell(block: dict[str, Any]) -> str:
+    """τ, with its standard error where it was sampled (a sampled τ is never shown bare: one draw says so)."""
+    tau = block.get("acceptance_length")
+    if tau is None:
+        return "—"
+    if "standard_error" not in block:
+        return f"{tau:.2f}"
+    se = block["standard_error"]
+    return f"{tau:.2f} ± {se:.2f}" if se is not None else f"{tau:.2f} ± ? (one draw)"
 
 
 def thinking_words(setting) -> str:
@@ -161,7 +209,7 @@ def thinking_words(setting) -> str:
 
 def table_row(name: str, block: dict[str, Any], lossless: dict) -> str:
     positions = " ".join(f"{x:.2f}" for x in block["acceptance_by_position"])
-    return (f"| {name} | {block['prompts']} | {block['prompt_tokens_mean']:,.0f} | {block['acceptance_length']:.2f} | "
+    return (f"| {name} | {block['prompts']} | {block['prompt_tokens_mean']:,.0f} | {tau_cell(block)} | "
             f"{block['acceptance_length_mean_per_turn']:.2f} | {positions} | {block['speedup']:.2f}× | "
             f"{lossless[block['lossless']]} |")
 
@@ -193,55 +241,33 @@ def engine_table(engine: dict[str, Any], report: dict[str, Any]) -> list[str]:
     """An engine's τ beside eval's, per dataset, and its tokens/s with and without the drafter."""
     with_s, without_s = engine.get("tokens_per_s"), engine.get("tokens_per_s_without_drafter")
     pace = f"{with_s:g} tokens/s with the drafter" + (f", {without_s:g} without" if without_s else "")
-    temperature = (report.get("config") or {}).get("temperature")
-    how = "greedy" if not temperature else f"temperature {temperature:g}"
+    how = sampling_words(report["config"]) if "config" in report else "greedy"
+    if engine.get("draft_rule"):
+        how += f"; in {engine['engine']}: {engine['draft_rule']}"
     lines = [f"τ in {engine['engine']} (its own counters: 1 + accepted / drafts), {how}, the same prompts — {pace}"]
-    if spread_line := seeds_line(engine, report):
-        lines.append(spread_line)
+    lines += judgement_lines(engine, report)
     header = ["| {} | engine τ | eval τ | engine acceptance by position 1…K−1 | drafts | engine speedup |",
               "|---|---:|---:|---|---:|---:|"]
-    rows = [(name, block, report["by_dataset"][name]["acceptance_length"])
-            for name, block in engine["by_dataset"].items()]
+    rows = [(name, block, report["by_dataset"][name]) for name, block in engine["by_dataset"].items()]
     if len(rows) > 1:
-        rows.append(("**all**", engine["overall"], report["acceptance_length"]))
+        rows.append(("**all**", engine["overall"], report))
     lines += ["", header[0].format("dataset"), header[1], *(engine_row(*row) for row in rows)]
     for name, block in engine["by_dataset"].items():  # a set's categories, as eval's own table gives them
         if "by_category" in block:
             ours = report["by_dataset"][name].get("by_category", {})
             lines += ["", f"τ in {engine['engine']} by category — {name}", "", header[0].format("category"), header[1]]
-            lines += [engine_row(category, inner, (ours.get(category) or {}).get("acceptance_length"))
+            lines += [engine_row(category, inner, ours.get(category) or {})
                       for category, inner in block["by_category"].items()]
     return lines
 
 
-def engine_row(name: str, block: dict[str, Any], ours: float | None) -> str:
-    tau = f"{block['acceptance_length']:.2f}" if block["acceptance_length"] is not None else "—"
-    ours_cell = "—" if ours is None else f"{ours:.2f}"  # engine only: eval measured nothing to set beside it
+def engine_row(name: str, block: dict[str, Any], ours: dict[str, Any]) -> str:
+    tau = tau_cell(block)
+    ours_cell = tau_cell(ours)  # engine only: eval measured nothing to set beside it (a dash)
     # llama.cpp counts no acceptance by position: a dash, not an empty cell
     positions = " ".join(f"{x:.2f}" for x in block["acceptance_by_position"] if x is not None) or "—"
     speedup = f"{block['speedup']:.2f}×" if block.get("speedup") else "—"  # without a baseline run: none
     return f"| {name} | {tau} | {ours_cell} | {positions} | {block['drafts']} | {speedup} |"
-
-
-def over_seeds_spread(taus: dict) -> dict[str, Any] | None:
-    """τ measured once a seed (temperature > 0: a random variable): each seed's, their mean, standard deviation
-    and standard error of the mean."""
-    values = {str(seed): round(tau, 4) for seed, tau in taus.items() if tau is not None}
-    if len(values) < 2:
-        return None
-    mean, std = statistics.fmean(values.values()), statistics.stdev(values.values())
-    return {"by_seed": values, "mean": round(mean, 4), "std": round(std, 4),
-            "standard_error": round(std / len(values) ** 0.5, 4), "n": len(values)}
-
-
-def judged(engine: dict[str, Any] | None, ours: dict[str, Any] | None) -> dict[str, Any] | None:
-    """An engine's τ against eval's at temperature > 0, by their spreads over the seeds: the difference of the means
-    and whether it is within 2 combined standard errors (where either has no spread: not judged)."""
-    if not engine or not ours:
-        return None
-    bound = 2 * (engine["standard_error"] ** 2 + ours["standard_error"] ** 2) ** 0.5
-    difference = engine["mean"] - ours["mean"]
-    return {"difference": round(difference, 4), "bound": round(bound, 4), "agrees": abs(difference) <= bound}
 
 
 def spread(ratios: list[float]) -> dict[str, float] | None:

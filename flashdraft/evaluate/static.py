@@ -128,11 +128,11 @@ class StaticSpecDecoder(SpecDecoder):
     """SpecDecoder over static buffers, its fixed-shape passes compiled into CUDA graphs on CUDA."""
 
     def __init__(self, target: Target, drafter: DFlashDrafter, stop_ids: set[int],
-                 compiler: Callable[[Callable], Callable] | None = None) -> None:
+                 compiler: Callable[[Callable], Callable] | None = None, draft_sampling: str = "greedy") -> None:
         """`compiler`: what each fixed-shape pass is compiled with (`cuda_graphs` on CUDA; None runs them as
         they are; the tests trace them with dynamo's eager backend, which refuses a graph break as CUDA graphs
         would need)."""
-        super().__init__(target, drafter, stop_ids)
+        super().__init__(target, drafter, stop_ids, draft_sampling=draft_sampling)
         self.device = self.lm_head.weight.device
         self.dtype = next(drafter.parameters()).dtype
         self.compiled = compiler is not None

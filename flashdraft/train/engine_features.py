@@ -61,12 +61,20 @@ import torch
 
 from flashdraft.config import TrainConfig
 from flashdraft.layout import engines_dir
-from flashdraft.served import SERVED_NAME, Endpoint, EngineFailed, ask, check_installed, served
+from flashdraft.served import (
+    SERVED_NAME,
+    VLLM_CPU_FIXES,
+    Endpoint,
+    EngineFailed,
+    ask,
+    check_installed,
+    served,
+    vllm_cpu_fixes_env,
+)
 
 # The trainer's own most likely next tokens after a sequence, from the engine's states for it (T × n × H)
 Judge = Callable[[torch.Tensor], list[int]]
 PROBE = [1, 2, 3, 5, 8, 13, 21, 34]  # a fixed sequence each fleet server answers before any work
-FIXES = Path(__file__).parents[1] / "vllm_cpu"  # sitecustomize.py: the CPU build's two runtime fixes
 ANSWER_DEADLINE_S = 600  # one sequence's prefill on a 2-core CPU; seconds on a GPU
 
 
@@ -167,7 +175,7 @@ def fleet_command(cfg: TrainConfig, target_dir: str, layer_ids: list[int], url: 
     if gpus is None:
         line = line.replace("--tensor-parallel-size 1", "--tensor-parallel-size N")
     env = f'VLLM_API_KEY="$(cat {shlex.quote(str(storage / FLEET_KEY))})"'
-    return (f"PYTHONPATH={shlex.quote(str(FIXES))} " if cpu else "") + f"{env} {line}"
+    return (f"PYTHONPATH={shlex.quote(str(VLLM_CPU_FIXES))} " if cpu else "") + f"{env} {line}"
 
 
 class EngineFeatures:
@@ -302,7 +310,7 @@ def engine_features(cfg: TrainConfig, target_dir: str, layer_ids: list[int], hid
         return
     dtype = cfg.target_dtype if cfg.target_dtype != "auto" else ("bfloat16" if devices else "float32")
     storage = Path(tempfile.mkdtemp(prefix="flashdraft-hidden-states-"))  # 0700: ours alone
-    env = {"PYTHONPATH": os.pathsep.join(filter(None, [str(FIXES), os.environ.get("PYTHONPATH")]))}
+    env = vllm_cpu_fixes_env()
     if devices:
         env["CUDA_VISIBLE_DEVICES"] = ",".join(d.split(":")[1] for d in devices)
     try:

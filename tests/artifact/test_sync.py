@@ -17,7 +17,7 @@ from rich.console import Console
 from flashdraft.artifact.manifest import MANIFEST, FileEntry, build_manifest, read_manifest, write_manifest
 from flashdraft.artifact.store import S3Store, StoreError, open_store
 from flashdraft.artifact.sync import VerifyFailed, check_objects, pull, push, transfer_progress, verify_store
-from flashdraft.testing import TcpForwarder
+from tests.servers import TcpForwarder
 
 
 def last_json(proc) -> dict:

@@ -379,6 +379,39 @@ def test_at_temperature_one_the_engines_tau_comes_with_its_spread_over_seeds(tmp
     assert max(row["prompt_tokens"] for row in rows) > 2048
 
 
+EXPAND_PROBE = """
+import torch
+import vllm._C
+from vllm.utils import cpu_triton_utils
+out = torch.full((5,), float("nan"))
+cpu_triton_utils._expand_kernel_impl(out, torch.tensor([0.6, 1.0]), torch.tensor([2, 5], dtype=torch.int32), 0, 1)
+import sys
+fixed = "sitecustomize" in sys.modules and cpu_triton_utils._expand_kernel_impl is sys.modules["sitecustomize"].expand_in_torch
+print(out.tolist(), fixed)
+"""
+
+
+@pytest.mark.skipif("vllm" not in INSTALLED, reason="vLLM's CPU build is not installed: run scripts/engines.sh")
+def test_vllms_cpu_sampler_gets_its_temperatures_with_flashdrafts_fix():
+    """vllm#55005: the CPU stand-in for the rejection sampler's expand kernel leaves a float32 output unwritten, so
+    temperatures are uninitialised memory at T > 0. The installed build has the defect (without the fix: NaN stays);
+    with flashdraft/vllm_cpu on PYTHONPATH, as eval starts vLLM, its probe finds it and the expansion is right."""
+    import os
+    import subprocess
+
+    from flashdraft.served import vllm_cpu_fixes_env
+
+    python = str(engine_program("vllm", None))
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    bare = subprocess.run([python, "-c", EXPAND_PROBE], env=env, capture_output=True, text=True, check=True)
+    defective = bare.stdout.split("]")[0].count("nan") == 5  # vLLM 0.32: the defect the collapse comes from
+    fixed = subprocess.run([python, "-c", EXPAND_PROBE], env=env | vllm_cpu_fixes_env(), capture_output=True,
+                           text=True, check=True)
+    # right either way; replaced only where the installed vLLM still has the defect (a fixed vLLM keeps its own)
+    expected = f"[0.6000000238418579, 0.6000000238418579, 1.0, 1.0, 1.0] {defective}"
+    assert fixed.stdout.strip() == expected, (bare.stdout, fixed.stdout)
+
+
 def test_seeds_mean_nothing_to_greedy_decoding():
     from flashdraft.config import EvalConfig
 

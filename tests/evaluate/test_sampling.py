@@ -1,5 +1,6 @@
 """Sampling at T > 0 keeps the target's distribution exactly, for DFlash and for DFlash2 (whose drafts come from a
-walk through the selector's top-K′, a sparse q) — checked by enumeration, not by sampling.
+walk through the selector's top-K′, a sparse q) and DSpark, under both draft rules (argmax drafts, the engines'
+default; drafts drawn from q) — checked by enumeration, not by sampling.
 
 A decoding step draws through a `Sampler`: a token from a distribution, or an acceptance with a probability. The
 `Enumerate` sampler below replays one branch of every draw and records how many branches each had; walking the
@@ -124,12 +125,49 @@ def stream_error(target: Target, decoder: SpecDecoder) -> float:
     return worst
 
 
+@pytest.mark.parametrize("draft_sampling", ["greedy", "sample"])
 @pytest.mark.parametrize(("kind", "architecture"), [("qwen3", "dflash"), ("qwen3", "dflash2"), ("qwen3_5", "dflash2"),
                                                   ("qwen3", "dspark")])
-def test_one_step_at_temperature_keeps_the_target_distribution_exactly(tmp_path, kind, architecture):
+def test_one_step_at_temperature_keeps_the_target_distribution_exactly(tmp_path, kind, architecture, draft_sampling):
+    """Both draft rules: `greedy` (argmax drafts accepted with p(x̂), the engines' default) and `sample`."""
     target = tiny_target(tmp_path, kind)
-    decoder = SpecDecoder(target, drafter_for(target, architecture), stop_ids=set())
+    decoder = SpecDecoder(target, drafter_for(target, architecture), stop_ids=set(), draft_sampling=draft_sampling)
     assert stream_error(target, decoder) < 1e-5
+
+
+def test_the_two_draft_rules_accept_differently(tmp_path):
+    """The rules are different random variables: on the same target and drafter one step's expected number of
+    accepted drafts differs between them (which is why eval measures with the engines' rule)."""
+    target = tiny_target(tmp_path, "qwen3")
+    drafter = drafter_for(target, "dflash")
+    expected = {}
+    for rule in ("greedy", "sample"):
+        decoder = SpecDecoder(target, drafter, stop_ids=set(), draft_sampling=rule)
+
+        def one_step(sampler, decoder=decoder):
+            state = decoder.start(PROMPT, TEMPERATURE, sampler)
+            decoder.step(state, TEMPERATURE, sampler)
+            return state.accepted[-1]
+
+        with torch.inference_mode():
+            expected[rule] = sum(n * p for n, p in outcomes(one_step).items())
+    assert abs(expected["greedy"] - expected["sample"]) > 0.01, expected
+
+
+def test_argmax_drafts_checked_against_the_drafters_softmax_are_caught(tmp_path, monkeypatch):
+    """The check has teeth for the greedy rule: argmax drafts verified with min(1, p/q) against the drafter's own
+    softmax (the `sample` rule's verification applied to the other rule's drafts) is not lossless."""
+    target = tiny_target(tmp_path, "qwen3")
+    decoder = SpecDecoder(target, drafter_for(target, "dflash"), stop_ids=set(), draft_sampling="greedy")
+    drawn = SpecDecoder._draft
+
+    def softmax_q(self, hidden_KD, anchor, temperature, sampler):
+        drafts, _ = drawn(self, hidden_KD, anchor, temperature, sampler)
+        logits = hidden_KD[1:] @ self.draft_head.T
+        return drafts, torch.softmax(logits.float() / temperature, dim=-1)
+
+    monkeypatch.setattr(SpecDecoder, "_draft", softmax_q)
+    assert stream_error(target, decoder) > 1e-3
 
 
 @pytest.mark.parametrize("rule", ["first", "product"])
@@ -138,7 +176,7 @@ def test_a_dspark_block_cut_at_its_confidence_keeps_the_target_distribution_exac
     verification stays lossless; and it does cut (fewer drafts sent than the block holds, in some outcomes)."""
     target = tiny_target(tmp_path, "qwen3")
     decoder = SpecDecoder(target, drafter_for(target, "dspark"), stop_ids=set(), confidence_threshold=0.5,
-                          confidence_rule=rule)
+                          confidence_rule=rule, draft_sampling="sample")
     assert stream_error(target, decoder) < 1e-5
     sent = set()
 
@@ -158,7 +196,7 @@ def test_checking_dspark_drafts_against_the_uncorrected_logits_is_caught(tmp_pat
     were drawn with, is not lossless."""
     target = tiny_target(tmp_path, "qwen3")
     drafter = drafter_for(target, "dspark")
-    decoder = SpecDecoder(target, drafter, stop_ids=set())
+    decoder = SpecDecoder(target, drafter, stop_ids=set(), draft_sampling="sample")
     drawn = SpecDecoder._draft_dspark
 
     def base_q(self, hidden_KD, state, temperature, sampler):
@@ -173,7 +211,7 @@ def test_checking_dflash2_drafts_against_the_unary_softmax_is_caught(tmp_path, m
     """The check has teeth: verifying the selector's drafts against softmax(unary / T), not the sparse q they
     were drawn from, is the mistake a DFlash decoder reused for DFlash2 would make, and it is not lossless."""
     target = tiny_target(tmp_path, "qwen3")
-    decoder = SpecDecoder(target, drafter_for(target, "dflash2"), stop_ids=set())
+    decoder = SpecDecoder(target, drafter_for(target, "dflash2"), stop_ids=set(), draft_sampling="sample")
     drawn = SpecDecoder._draft
 
     def unary_q(self, hidden_KD, anchor, temperature, sampler):

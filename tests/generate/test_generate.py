@@ -124,7 +124,7 @@ def test_sigkill_then_rerun_ends_with_exactly_one_record_per_prompt(cli, tmp_pat
 def test_failed_requests_are_not_done_and_a_rerun_retries_them(cli, tmp_path):
     """The endpoint is down: every request fails. That is not "done": exit 1, no manifest, the failures in
     errors.jsonl; a rerun retries them; only an explicit tolerance lets an artifact with errors count as done."""
-    from flashdraft.testing import failing_endpoint
+    from tests.servers import failing_endpoint
 
     with failing_endpoint("m", "drop") as url:  # lists its model, then drops every request unanswered
         config = tmp_path / "c.yaml"
@@ -241,7 +241,7 @@ def _free_port() -> int:
 
 @pytest.mark.slow
 def test_openai_backend_against_transformers_serve(cli, tmp_path, tiny_model_dir):
-    from flashdraft.testing import transformers_serve
+    from tests.servers import transformers_serve
 
     with transformers_serve(tiny_model_dir, tmp_path / "serve.log") as url:
         port = int(url.rsplit(":", 1)[1])

@@ -14,7 +14,7 @@ import pytest
 from flashdraft.artifact.manifest import MANIFEST, verify_dir
 from flashdraft.evaluate.engines import engine_program
 from flashdraft.served import SERVED_NAME
-from flashdraft.testing import vllm_serve
+from tests.servers import vllm_serve
 from tests.generate.test_generate import records
 
 VLLM = engine_program("vllm", None)
