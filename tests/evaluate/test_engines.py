@@ -386,7 +386,8 @@ from vllm.utils import cpu_triton_utils
 out = torch.full((5,), float("nan"))
 cpu_triton_utils._expand_kernel_impl(out, torch.tensor([0.6, 1.0]), torch.tensor([2, 5], dtype=torch.int32), 0, 1)
 import sys
-fixed = "sitecustomize" in sys.modules and cpu_triton_utils._expand_kernel_impl is sys.modules["sitecustomize"].expand_in_torch
+ours = getattr(sys.modules.get("sitecustomize"), "expand_in_torch", None)
+fixed = cpu_triton_utils._expand_kernel_impl is ours
 print(out.tolist(), fixed)
 """
 

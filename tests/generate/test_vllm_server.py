@@ -14,8 +14,8 @@ import pytest
 from flashdraft.artifact.manifest import MANIFEST, verify_dir
 from flashdraft.evaluate.engines import engine_program
 from flashdraft.served import SERVED_NAME
-from tests.servers import vllm_serve
 from tests.generate.test_generate import records
+from tests.servers import vllm_serve
 
 VLLM = engine_program("vllm", None)
 

@@ -58,8 +58,8 @@ def fleet(tmp_path, engine_target):
     """A vLLM server already running, as a target fleet's are: started with the command train prints for it (here on
     a loopback port, vLLM's CPU build), writing hidden states into a directory shared with the trainer, answering
     only requests that carry the fleet's key."""
-    from tests.servers import free_port_block, http_server
     from flashdraft.train.engine_features import fleet_command, fleet_key
+    from tests.servers import free_port_block, http_server
 
     storage = tmp_path / "shared"
     storage.mkdir()
