@@ -253,7 +253,7 @@ def train_profile(settings: dict, work: Path, device: str) -> dict:
 def syncs_per_step(device: str):
     """The synchronising CUDA calls of each optimizer step the training loop runs meanwhile, as torch's sync
     debug mode reports them (a list filled as steps run; empty on a CPU, where nothing synchronises)."""
-    import flashdraft.train as training
+    import flashdraft.train.loop as training
 
     counts: list[int] = []
     original = training.optimizer_step

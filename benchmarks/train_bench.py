@@ -117,7 +117,7 @@ def batch_worker(length: int, batch: int, anchors: int, layers: int, block: int,
     from flashdraft.model.drafter import DFlashDrafter, draft_config
     from flashdraft.model.resolve import resolve_model
     from flashdraft.model.target import Target
-    from flashdraft.train import micro_batches
+    from flashdraft.train.loop import micro_batches
     from flashdraft.train.step import batch_step, sequence_step
 
     torch.manual_seed(0)

@@ -7,11 +7,13 @@ import pytest
 import torch
 
 from flashdraft.artifact.manifest import read_manifest, verify_dir
+from flashdraft.errors import BadTrainingInput
 from flashdraft.model.dflash2 import DFlash2Drafter
 from flashdraft.model.drafter import DFlashDrafter
 from flashdraft.model.export import load_drafter
 from flashdraft.model.objective import block_masks
-from flashdraft.train import BadTrainingInput, import_drafter, run
+from flashdraft.train import run
+from flashdraft.train.drafters import import_drafter
 from flashdraft.train.optim import build_optimizers
 from tests.train.test_recipe import drafter_weights, same_weights
 from tests.train.test_train import quiet, tiny_cfg

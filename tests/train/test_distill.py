@@ -5,9 +5,10 @@ import torch
 
 from flashdraft.artifact.manifest import read_manifest, verify_dir
 from flashdraft.config import TrainConfig
+from flashdraft.errors import BadTrainingInput
 from flashdraft.model.drafter import DFlashDrafter, draft_config
 from flashdraft.model.target import Target
-from flashdraft.train import BadTrainingInput, run
+from flashdraft.train import run
 from flashdraft.train.feature_cache import FeatureCache, feature_bytes
 from flashdraft.train.step import batch_step, plan_batch
 

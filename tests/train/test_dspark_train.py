@@ -8,10 +8,12 @@ import torch
 
 from flashdraft.artifact.manifest import verify_dir
 from flashdraft.config import ConfigError, load_config
+from flashdraft.errors import BadTrainingInput
 from flashdraft.model.dspark import DSparkDrafter
 from flashdraft.model.export import load_drafter
 from flashdraft.model.objective import build_dspark_blocks
-from flashdraft.train import BadTrainingInput, import_drafter, run
+from flashdraft.train import run
+from flashdraft.train.drafters import import_drafter
 from tests.train.test_recipe import drafter_weights, same_weights
 from tests.train.test_train import quiet, tiny_cfg
 

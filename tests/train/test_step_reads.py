@@ -9,8 +9,9 @@ import sys
 import pytest
 import torch
 
-from flashdraft.train import optimizer_step, prepare, setup
 from flashdraft.train.distributed import place
+from flashdraft.train.loop import optimizer_step, prepare
+from flashdraft.train.stage import setup
 from tests.train.test_train import quiet, tiny_cfg
 
 READS = ("tolist", "item", "__int__", "__float__", "__bool__", "__index__", "cpu", "numpy", "nonzero")

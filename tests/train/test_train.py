@@ -16,6 +16,7 @@ from safetensors.torch import load_file
 
 from flashdraft.artifact.manifest import build_manifest, read_manifest, verify_dir, write_manifest
 from flashdraft.config import TrainConfig
+from flashdraft.errors import BadTrainingInput
 from flashdraft.model.drafter import DFlashDrafter, draft_config
 from flashdraft.model.export import save_drafter
 from flashdraft.model.objective import (
@@ -23,7 +24,7 @@ from flashdraft.model.objective import (
     build_blocks,
 )
 from flashdraft.model.target import Target
-from flashdraft.train import BadTrainingInput, run
+from flashdraft.train import run
 from flashdraft.train.step import sequence_step
 
 VOCAB = 128
@@ -140,11 +141,13 @@ def test_metrics_go_to_jsonl_and_tensorboard_alike(tiny_target, tiny_dataset, tm
 
 def test_the_last_checkpoints_held_out_evaluation_is_the_drafters_with_no_second_pass(tiny_target, tiny_dataset,
                                                                                          tmp_path, monkeypatch):
-    import flashdraft.train as training
+    import flashdraft.train.loop as loop
+    import flashdraft.train.stage as stage
 
     calls = []
-    original = training.evaluate_heldout
-    monkeypatch.setattr(training, "evaluate_heldout", lambda *a, **k: calls.append(1) or original(*a, **k))
+    original = loop.evaluate_heldout
+    for module in (loop, stage):  # the loop's evaluations, and the one the export would make after it
+        monkeypatch.setattr(module, "evaluate_heldout", lambda *a, **k: calls.append(1) or original(*a, **k))
     out = tmp_path / "out"
     stats = run(tiny_cfg(tiny_target, max_steps=4, checkpoint_every=2), tiny_dataset, out, log=quiet)
     assert len(calls) == 2  # at steps 2 and 4, and not again for the export
