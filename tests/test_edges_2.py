@@ -146,7 +146,7 @@ def test_a_push_is_refused_while_generate_uploads_there(tmp_path, tiny_model_dir
 
     url = new_url("gen")
     src = prompts_file(tmp_path / "p.jsonl", 6)
-    slow = ("import sys, time\nimport flashdraft.generate as g\nreal = g.commit_batch\n"
+    slow = ("import sys, time\nimport flashdraft.generate.stage as g\nreal = g.commit_batch\n"
             "def paced(*a, **k):\n    real(*a, **k)\n    time.sleep(3)\n"
             "g.commit_batch = paced\nfrom flashdraft.cli import app\napp(sys.argv[1:], prog_name='flashdraft')\n")
     gen = subprocess.Popen([sys.executable, "-c", slow, "generate", "--prompts", src, "--out", str(tmp_path / "gen"),

@@ -225,7 +225,7 @@ def test_generate_never_uploads_batches_under_a_live_manifest(cli, tmp_path, tin
     from flashdraft.artifact.prefix import EARLIER, PrefixOwned, open_for_writing
     from flashdraft.artifact.store import open_store
     from flashdraft.config import GenerateConfig
-    from flashdraft.generate import lineage_for
+    from flashdraft.generate.stage import lineage_for
     from tests.generate.test_generate import prompts_file
 
     url = f"s3://flashdraft/t-{uuid.uuid4().hex[:10]}/gen"

@@ -165,7 +165,7 @@ def test_generate_reads_prompts_in_two_streaming_passes_that_must_agree(tmp_path
     """generate holds ids, not prompts: pass 1 batches the ids, pass 2 reads each batch still to do as the
     stream reaches it. A file changed between the two is one clear error, not batches of other prompts."""
     from flashdraft.config import GenerateConfig
-    from flashdraft.generate import batch_ids, batch_prompts
+    from flashdraft.generate.batches import batch_ids, batch_prompts
     from flashdraft.generate.prompts import PromptSet
 
     src = tmp_path / "p.jsonl"

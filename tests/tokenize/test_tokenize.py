@@ -10,9 +10,10 @@ from flashdraft.artifact.manifest import MANIFEST, read_manifest, verify_dir
 from flashdraft.config import TokenizeConfig
 from flashdraft.errors import BadInput
 from flashdraft.records import opening_key
-from flashdraft.tokenize import QualityGateFailed, run
+from flashdraft.tokenize import run
 from flashdraft.tokenize.offsets import longest_run
 from flashdraft.tokenize.render import Renderer
+from flashdraft.tokenize.stage import QualityGateFailed
 
 # Behaves as Qwen3's documented template: reasoning_content of turns after the last user query is rendered as
 # <think>…</think> ahead of the answer, earlier turns' reasoning is dropped, tool results go in a user turn,
