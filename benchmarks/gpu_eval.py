@@ -287,7 +287,8 @@ def memory_check(shape: dict, args, device: str, dtype) -> list[dict]:
     from flashdraft.config import TrainConfig
     from flashdraft.estimate import TargetShape, drafter_step_bytes
     from flashdraft.model.drafter import DFlashDrafter, draft_config
-    from flashdraft.train.step import batch_step, plan_batch
+    from flashdraft.train.plan import plan_batch
+    from flashdraft.train.step import batch_step
 
     vocab = 4096 if args.tiny else 248_320
     torch.manual_seed(0)

@@ -76,7 +76,8 @@ def step_peaks(target_dir: str, vocab: int, length: int) -> dict[str, int]:
     from flashdraft.model.drafter import DFlashDrafter, draft_config
     from flashdraft.model.target import Target
     from flashdraft.train.feature_cache import build_or_reuse
-    from flashdraft.train.step import batch_step, serving_walk
+    from flashdraft.train.heldout import serving_walk
+    from flashdraft.train.step import batch_step
 
     target = Target(target_dir, "cpu", lambda s: None)
     drafter = DFlashDrafter(draft_config(target.config, num_layers=1, block_size=16, mask_token_id=0))

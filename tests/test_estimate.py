@@ -262,7 +262,8 @@ def test_the_gpu_memory_formula_holds_to_the_peaks_measured_at_small_shapes(tmp_
     from flashdraft.estimate import TargetShape, drafter_step_bytes, target_pass_bytes
     from flashdraft.model.drafter import DFlashDrafter, draft_config
     from flashdraft.model.target import Target
-    from flashdraft.train.step import batch_step, plan_batch, target_pass
+    from flashdraft.train.plan import plan_batch, target_pass
+    from flashdraft.train.step import batch_step
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
     from memory_counter import MemoryCounter

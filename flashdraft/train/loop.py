@@ -38,9 +38,11 @@ from flashdraft.train.distributed import (
     barrier,
     collective_device,
 )
+from flashdraft.train.heldout import evaluate_heldout
 from flashdraft.train.metrics import MetricSinks, json_rates, mean_rates, selector_metrics
 from flashdraft.train.optim import Optimizers
-from flashdraft.train.step import Planned, batch_step, evaluate_heldout, plan_batch, read_results
+from flashdraft.train.plan import Planned, plan_batch
+from flashdraft.train.step import batch_step, read_results
 
 
 @dataclass

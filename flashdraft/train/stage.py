@@ -56,12 +56,12 @@ from flashdraft.train.distributed import (
     wrap,
 )
 from flashdraft.train.drafters import import_drafter, new_drafter
+from flashdraft.train.heldout import evaluate_heldout
 from flashdraft.train.launch import die_with_launcher, run_launched, under_a_launcher, waiting_for_the_launchers_stop
 from flashdraft.train.lineage import run_lineage
 from flashdraft.train.loop import Diverged, Setup, all_finite, divergence, loop
 from flashdraft.train.metrics import MetricSinks, truncate_metrics
 from flashdraft.train.optim import build_optimizers
-from flashdraft.train.step import evaluate_heldout
 
 
 def run(

@@ -15,7 +15,7 @@ from flashdraft.model.drafter import DFlashDrafter, draft_config
 from flashdraft.model.export import load_drafter, save_drafter
 from flashdraft.model.modeling_dflash import BlockConv
 from flashdraft.model.objective import block_masks
-from flashdraft.train.step import selector_step
+from flashdraft.train.objectives import selector_step
 
 TARGET = Qwen3Config(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=6,
                      num_attention_heads=4, num_key_value_heads=2, head_dim=8, rope_theta=1_000_000.0)

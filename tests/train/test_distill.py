@@ -10,7 +10,8 @@ from flashdraft.model.drafter import DFlashDrafter, draft_config
 from flashdraft.model.target import Target
 from flashdraft.train import run
 from flashdraft.train.feature_cache import FeatureCache, feature_bytes
-from flashdraft.train.step import batch_step, plan_batch
+from flashdraft.train.plan import plan_batch
+from flashdraft.train.step import batch_step
 
 from .test_train import quiet, tiny_cfg
 

@@ -169,7 +169,7 @@ def test_a_steps_peak_memory_does_not_grow_with_scored_rows_times_vocabulary(tmp
     from flashdraft.artifact.manifest import Lineage
     from flashdraft.config import TrainConfig
     from flashdraft.train.feature_cache import build_or_reuse
-    from flashdraft.train.step import serving_walk
+    from flashdraft.train.heldout import serving_walk
 
     vocab, length = 248_320, 1024  # Qwen3.6's vocabulary
     path = qwen36_vocab_target(tmp_path / "target", vocab)

@@ -147,7 +147,7 @@ def test_target_labels_are_the_targets_greedy_tokens(tiny_target):
     from transformers import AutoModelForCausalLM
 
     from flashdraft.model.target import Target
-    from flashdraft.train.step import plan_batch
+    from flashdraft.train.plan import plan_batch
 
     model = AutoModelForCausalLM.from_pretrained(tiny_target).eval()
     prompt = torch.tensor([[5, 17, 33, 2, 91, 64, 8, 12]])
@@ -175,7 +175,7 @@ def test_target_labels_from_the_offline_cache_are_the_online_ones(tiny_target, t
     from flashdraft.artifact.manifest import read_manifest
     from flashdraft.model.target import Target
     from flashdraft.train.feature_cache import FeatureCache
-    from flashdraft.train.step import plan_batch
+    from flashdraft.train.plan import plan_batch
 
     with pytest.raises(ConfigError, match="labels: target with features: offline reads the target's argmax"):
         load_config(None, {"train.labels": "target", "train.features": "offline"})

@@ -53,7 +53,7 @@ def test_the_walk_takes_the_verify_steps_eval_takes(greedy_run, tiny_model_dir):
     from flashdraft.model.export import load_drafter
     from flashdraft.model.resolve import stop_token_ids
     from flashdraft.model.target import Target
-    from flashdraft.train.step import serving_walk
+    from flashdraft.train.heldout import serving_walk
 
     work, prompts, cfg, _ = greedy_run
     target = Target(tiny_model_dir, "cpu", quiet, "float32")
@@ -110,7 +110,7 @@ def test_a_walk_restarts_right_after_each_bonus_token(tiny_target):
     next anchor); a sequence without supervised tokens has no walk."""
     from flashdraft.model.drafter import DFlashDrafter, draft_config
     from flashdraft.model.target import Target
-    from flashdraft.train.step import serving_walk
+    from flashdraft.train.heldout import serving_walk
 
     target = Target(tiny_target, "cpu", quiet)
     drafter = DFlashDrafter(draft_config(target.config, num_layers=1, block_size=4, mask_token_id=127)).eval()
@@ -137,7 +137,7 @@ def test_on_sampled_completions_the_walk_accepts_what_verification_would(greedy_
     from flashdraft.model.export import load_drafter
     from flashdraft.model.resolve import stop_token_ids
     from flashdraft.model.target import Target
-    from flashdraft.train.step import serving_walk
+    from flashdraft.train.heldout import serving_walk
 
     work, prompts, cfg, _ = greedy_run
     generate.run(GenerateConfig(prompts=str(prompts), model=tiny_model_dir, max_new_tokens=40, batch_size=24,
