@@ -47,10 +47,23 @@ def require_drafter(drafter_dir: str | Path) -> Path:
     """An exported drafter's directory, or BadInput saying there is none (eval and export ask before any work)."""
     from flashdraft.errors import BadInput
 
+    if hub := hub_download_hint(str(drafter_dir)):
+        raise BadInput(hub)
     drafter_dir = Path(drafter_dir)
     if not (drafter_dir / "config.json").is_file():
         raise BadInput(f"{drafter_dir} holds no drafter (config.json): run `flashdraft train` first")
     return drafter_dir
+
+
+def hub_download_hint(ref: str) -> str | None:
+    """For a drafter named by its hub id (z-lab/Qwen3.6-27B-DFlash, as vLLM, SGLang and z-lab's scripts take it)
+    where no such local directory exists: what to do. flashdraft reads a drafter from a directory, so that the
+    files it verifies, checks against the target and exports are the ones on disk, not a cache that can change."""
+    parts = ref.split("/")
+    if Path(ref).exists() or len(parts) != 2 or not all(parts) or ref.startswith((".", "~")):
+        return None
+    return (f"{ref} is a hub id, and flashdraft reads a drafter from a directory: download it first with "
+            f"`hf download {ref} --local-dir /models/{parts[1]}` and pass /models/{parts[1]}")
 
 
 def stage_url(store: str, stage: str) -> str:

@@ -360,7 +360,7 @@ def pipeline_checks(cfg: PipelineConfig, stages: list[str], every: bool = True) 
     if "eval" in stages:
         checks.append(check_model(cfg.eval.target, "eval target"))
         checks += [check_eval_prompts(source) for source in cfg.eval.sources]
-        from flashdraft.evaluate.engines import check_engine
+        from flashdraft.evaluate.engine_commands import check_engine
 
         checks += [guarded(f"eval engine {engine}", lambda engine=engine: check_engine(
             engine, cfg.eval.engine_url, cfg.eval.engine_python)) for engine in cfg.eval.engines]
@@ -405,6 +405,10 @@ def check_input(cfg: PipelineConfig, stage: str) -> Check:
 
 
 def _drafter(path: str) -> str:
+    from flashdraft.layout import hub_download_hint
+
+    if hub := hub_download_hint(path):
+        raise ValueError(hub)
     if not (Path(path) / "config.json").is_file():
         raise ValueError("no drafter there (config.json)")
     return "drafter directory"

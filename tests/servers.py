@@ -114,7 +114,7 @@ def transformers_serve(model: str, log: Path, timeout: float = 180, port: int | 
 @contextmanager
 def vllm_serve(python: Path, model: str, log: Path, max_model_len: int, timeout: float = 600) -> Iterator[str]:
     """vLLM's OpenAI server (its CPU build) for `model` on a free loopback port, as a generation host runs it."""
-    from flashdraft.evaluate.engines import vllm_command
+    from flashdraft.evaluate.engine_commands import vllm_command
 
     port = free_port_block(1)[0]
     with http_server(vllm_command(python, Path(model), None, 4, port, max_model_len), port, log, timeout,

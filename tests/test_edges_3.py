@@ -18,7 +18,8 @@ from pathlib import Path
 
 import pytest
 
-from flashdraft.evaluate.engines import Counters, EngineAnswerInvalid, check_engine, checked, parse_metrics
+from flashdraft.evaluate.engine_commands import check_engine
+from flashdraft.evaluate.engines import Counters, EngineAnswerInvalid, checked, parse_metrics
 from flashdraft.served import Endpoint, NotTheEngine, healthy
 
 STANDIN = Path(__file__).parent / "assets" / "standin_engine.py"

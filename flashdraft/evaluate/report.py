@@ -154,7 +154,7 @@ SE_NOTE = ("τ ± its standard error over prompts × seeds (a prompt's conversat
 def sampling_words(cfg: dict[str, Any]) -> str:
     """`greedy`, or the temperature with the draft rule and the seeds (a turn is counted once a seed)."""
     if not cfg["temperature"]:
-        return "greedy"
+        return "temperature 0 (greedy)"
     seeds = [cfg["seed"] + i for i in range(cfg.get("seeds", 1))]
     rule = cfg.get("draft_sampling", "greedy")
     return (f"temperature {cfg['temperature']:g}, draft rule {rule} ({RULE_WORDS[rule]}), "
@@ -241,7 +241,7 @@ def engine_table(engine: dict[str, Any], report: dict[str, Any]) -> list[str]:
     """An engine's τ beside eval's, per dataset, and its tokens/s with and without the drafter."""
     with_s, without_s = engine.get("tokens_per_s"), engine.get("tokens_per_s_without_drafter")
     pace = f"{with_s:g} tokens/s with the drafter" + (f", {without_s:g} without" if without_s else "")
-    how = sampling_words(report["config"]) if "config" in report else "greedy"
+    how = sampling_words(report["config"]) if "config" in report else "temperature 0 (greedy)"
     if engine.get("draft_rule"):
         how += f"; in {engine['engine']}: {engine['draft_rule']}"
     lines = [f"τ in {engine['engine']} (its own counters: 1 + accepted / drafts), {how}, the same prompts — {pace}"]

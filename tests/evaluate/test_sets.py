@@ -145,7 +145,7 @@ def test_eval_reports_a_tau_table_per_dataset(cli, tmp_path, tiny_model_dir):
                  "--decoding", "static", check=True)
     table = (out / "report.md").read_text()
     assert table in result.stdout.replace("\n", "\n")  # printed as written
-    assert "thinking off, temperature 0.0" in table and "decoding: static KV cache" in table
+    assert "thinking off, temperature 0 (greedy)" in table and "decoding: static KV cache" in table
     first = table.split("\n\n")[1]  # the table by dataset (mt-bench's categories follow in their own)
     body = [line for line in first.splitlines() if line.startswith("| ") and not line.startswith("| dataset")]
     assert [line.split(" | ")[0] for line in body] == ["| gsm8k", "| mt-bench", "| builtin:chat-heldout", "| **all**"]

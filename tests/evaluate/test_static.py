@@ -7,8 +7,8 @@ import torch
 
 from flashdraft.config import EvalConfig
 from flashdraft.errors import BadInput
-from flashdraft.evaluate import choose_decoder
 from flashdraft.evaluate.decode import SpecDecoder, counted_forwards, target_only
+from flashdraft.evaluate.prepare import choose_decoder
 from flashdraft.evaluate.static import StaticSpecDecoder, static_unsupported
 from flashdraft.model.drafter import DFlashDrafter, draft_config
 from flashdraft.model.target import Target

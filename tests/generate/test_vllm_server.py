@@ -12,7 +12,7 @@ import time
 import pytest
 
 from flashdraft.artifact.manifest import MANIFEST, verify_dir
-from flashdraft.evaluate.engines import engine_program
+from flashdraft.evaluate.engine_commands import engine_program
 from flashdraft.served import SERVED_NAME
 from tests.generate.test_generate import records
 from tests.servers import vllm_serve
