@@ -200,7 +200,7 @@ class TrainConfig(Section):
     fsdp: bool = False  # shard the drafter with FSDP instead of DDP under torchrun
     # training processes on this node: > 1 makes `train` and `run` start them under torchrun themselves
     # (`--standalone`), each with its entry of a "a;b" device setting (the 2 + 2 split: target_device
-    # "cuda:0;cuda:1", device "cuda:2;cuda:3"). Several nodes: start `torchrun … -m flashdraft train` yourself.
+    # "cuda:0;cuda:1", device "cuda:2;cuda:3"). Several nodes: train.nnodes and --node-rank below.
     nproc_per_node: Annotated[int, Field(ge=1, le=64)] = 1
     # several nodes as one command each: with nnodes > 1, `flashdraft train --config C --node-rank R` (or `run`) on
     # every node starts its nproc_per_node processes and joins node 0's rendezvous at rdzv_endpoint (host:port of
@@ -210,6 +210,9 @@ class TrainConfig(Section):
     node_rank: Annotated[int, Field(ge=0, le=1023)] = 0  # this node's rank: `--node-rank R` on its command line
     # nnodes > 1: node 0's host:port, where the nodes meet (torchrun's static rendezvous)
     rdzv_endpoint: str | None = None
+    # nnodes > 1: how long a node waits for the others to meet before it gives up (a line every 10 s says where it
+    # waits; a stop signal ends the wait at once)
+    rdzv_timeout_s: Annotated[int, Field(ge=10, le=86400)] = 600
 
     @model_validator(mode="after")
     def _one_weighting(self) -> TrainConfig:

@@ -404,6 +404,36 @@ def check_input(cfg: PipelineConfig, stage: str) -> Check:
     return guarded(f"input of {stage}", found)
 
 
+def check_dataset(data: Path, store: str | None) -> Check:
+    """train's dataset, before any work (on a node of several: before the rendezvous, not after the nodes meet):
+    committed at `data`, or in the config's store, from where `train` pulls it."""
+    from flashdraft.artifact.manifest import MANIFEST
+    from flashdraft.layout import stage_url
+
+    def found() -> str:
+        if (data / MANIFEST).is_file():
+            if (kind := manifest_kind((data / MANIFEST).read_bytes(), str(data))) != "dataset":
+                raise ValueError(f"{data} holds a {kind} artifact, not the dataset train reads")
+            return f"dataset at {data}"
+        if store:
+            from flashdraft.artifact.store import StoreError, open_store
+
+            url = stage_url(store, "tokenize")
+            try:
+                raw = open_store(url).read_bytes(MANIFEST)
+            except StoreError as e:
+                raise ValueError(f"not at {data}, and {url} cannot be read: {e}") from None
+            if raw is not None:
+                if (kind := manifest_kind(raw, url)) != "dataset":
+                    raise ValueError(f"{url} holds a {kind} artifact, not the dataset train reads")
+                return f"dataset in the store at {url} (pulled and verified before training)"
+        raise ValueError(f"no dataset at {data}" + (f" nor in {stage_url(store, 'tokenize')}" if store else "")
+                         + ": run `flashdraft tokenize`, or name the store it was pushed to (store: in the config) "
+                         "and train pulls it")
+
+    return guarded("train dataset", found)
+
+
 def _drafter(path: str) -> str:
     from flashdraft.layout import hub_download_hint
 

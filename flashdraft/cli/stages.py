@@ -8,6 +8,7 @@ from typing import Annotated
 
 import typer
 
+from flashdraft.artifact.manifest import MANIFEST
 from flashdraft.cli.app import (
     ConfigFlag,
     JsonFlag,
@@ -18,9 +19,9 @@ from flashdraft.cli.app import (
     human,
 )
 from flashdraft.config import load_config
-from flashdraft.layout import DRAFTER, generate_dir, require_drafter, stage_dir, train_dir
-from flashdraft.pipeline import train_settings
-from flashdraft.preflight import generate_checks, require, train_checks
+from flashdraft.layout import DRAFTER, generate_dir, require_drafter, stage_dir, stage_url, train_dir
+from flashdraft.pipeline import fetch_verified, train_settings
+from flashdraft.preflight import check_dataset, generate_checks, require, train_checks
 
 
 @app.command()
@@ -171,7 +172,10 @@ def train(
     data = data or stage_dir(cfg.workdir, "tokenize")
     out = out or train_dir(cfg.workdir)
     train_cfg = train_settings(cfg)  # the config's store holds the checkpoints, as under `run`
-    require(train_checks(train_cfg))  # target, devices, the store checkpoints go to: before any compute
+    # target, devices, the store checkpoints go to, the dataset: before any compute, and before nodes meet
+    require([*train_checks(train_cfg), check_dataset(Path(data), cfg.store)])
+    if cfg.store and not (Path(data) / MANIFEST).is_file():  # a node joining the run: the dataset from the store
+        fetch_verified(Path(data), stage_url(cfg.store, "tokenize"), human(json_out).print)
     from flashdraft import train as stage  # after the checks: its imports take seconds, a refusal does not
 
     stats = stage.run(train_cfg, data, out, require_checkpoint=resume, console=err_console,

@@ -3,18 +3,26 @@ and `run` launch N copies of `flashdraft train` through torch's own elastic laun
 --nproc-per-node N` does, called as a library so that a failed rank ends in one line, not the launcher's traceback.
 
 Each process gets RANK / LOCAL_RANK / WORLD_SIZE as under torchrun and picks its entry of an "a;b" device setting
-(train/distributed.py). The rendezvous is on localhost with a free port the launcher picks. Several nodes: start
-`torchrun … -m flashdraft train` on each yourself (docs/train.md).
+(train/distributed.py). The rendezvous is on localhost with a free port the launcher picks. Several nodes
+(`train.nnodes`): the same command on every node with its `--node-rank`, meeting at node 0's `train.rdzv_endpoint`
+(torchrun's static rendezvous), within `train.rdzv_timeout_s`.
+
+While a node waits for the others, torch waits inside C++ (its TCPStore) and Python's signal handlers cannot run:
+a stop would wait out the whole timeout. So the wait is watched from a thread (`WaitingForNodes`): it prints where
+it waits every few seconds, and a stop signal that arrives before any training process has started ends the node
+in one line, at once.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import signal
 import sys
+import threading
 import time
 import uuid
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 
 from flashdraft.errors import ExpectedFailure
 
@@ -69,8 +77,71 @@ def die_with_launcher() -> None:
         die_with_parent(int(os.environ[LAUNCHER_PID]))
 
 
+WAITING_LINE_EVERY_S = 10.0
+
+
+class WaitingForNodes:
+    """While this node's launcher waits for the others: a line every WAITING_LINE_EVERY_S saying where and for how
+    long, and a stop signal (SIGTERM, Ctrl-C) ending the node at once in one line. Python runs a signal's handler
+    only between bytecodes, never inside torch's C++ wait; `signal.set_wakeup_fd` has the C-level handler write the
+    signal's number to a pipe even then, and a thread reading it acts. Once a training process has started, the
+    launcher is back in Python, its own handlers stop the processes, and this stands aside."""
+
+    def __init__(self, node_rank: int, nnodes: int, endpoint: str, timeout_s: int) -> None:
+        self.where = (f"node 0 at {endpoint}" if node_rank else f"the other {nnodes - 1} node(s) to join at {endpoint}")
+        self.node_rank, self.timeout_s, self.started = node_rank, timeout_s, time.monotonic()
+        self.done = threading.Event()
+
+    def __enter__(self) -> WaitingForNodes:
+        self.read, self.write = os.pipe()
+        os.set_blocking(self.write, False)
+        self.previous_fd = signal.set_wakeup_fd(self.write, warn_on_full_buffer=False)
+        threading.Thread(target=self.watch_signals, daemon=True).start()
+        threading.Thread(target=self.say_where, daemon=True).start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.done.set()
+        signal.set_wakeup_fd(self.previous_fd)
+        os.close(self.write)  # the watcher's read returns empty, and it ends
+
+    def say_where(self) -> None:
+        while not self.done.wait(0 if time.monotonic() - self.started < 1 else WAITING_LINE_EVERY_S):
+            if training_started():
+                return
+            waited = time.monotonic() - self.started
+            print(f"train: node {self.node_rank} waiting for {self.where} ({waited:.0f} s of {self.timeout_s} s, "
+                  "train.rdzv_timeout_s)", file=sys.stderr, flush=True)
+            if waited < 1:
+                time.sleep(1)
+
+    def watch_signals(self) -> None:
+        while True:
+            try:
+                got = os.read(self.read, 1)
+            except OSError:
+                return
+            if not got or self.done.is_set():
+                os.close(self.read)
+                return
+            number = got[0]
+            if number in (signal.SIGTERM, signal.SIGINT) and not training_started():
+                print(f"error: train: node {self.node_rank} stopped by {signal.Signals(number).name} while waiting "
+                      f"for {self.where}; nothing was trained here", file=sys.stderr, flush=True)
+                os._exit(1)  # the main thread is inside torch's C++ wait: nothing there to unwind
+
+
+def training_started() -> bool:
+    """Whether this launcher has started its training processes (they are its children): Linux's
+    /proc/self/task/*/children; where that cannot be read, False (the wait is then assumed)."""
+    try:
+        return any(open(f"/proc/self/task/{task}/children").read().strip() for task in os.listdir("/proc/self/task"))
+    except OSError:
+        return False
+
+
 def launch(nproc: int, train_args: list[str], nnodes: int = 1, node_rank: int = 0,
-           rdzv_endpoint: str | None = None) -> None:
+           rdzv_endpoint: str | None = None, rdzv_timeout_s: int = 600) -> None:
     """Run `python -m flashdraft train ARGS` as `nproc` processes of one job (on one node, or as node `node_rank` of
     `nnodes`, meeting at node 0's `rdzv_endpoint` as torchrun's static rendezvous does); returns when all exited 0."""
     from torch.distributed.elastic.multiprocessing.api import SignalException
@@ -87,12 +158,14 @@ def launch(nproc: int, train_args: list[str], nnodes: int = 1, node_rank: int = 
                               rdzv_backend="c10d", rdzv_endpoint="localhost:0", max_restarts=0)
     else:  # node 0 hosts the rendezvous store at the endpoint; each node says its own rank (torchrun --node-rank)
         config = LaunchConfig(min_nodes=nnodes, max_nodes=nnodes, nproc_per_node=nproc, run_id=rdzv_endpoint,
-                              rdzv_backend="static", rdzv_endpoint=rdzv_endpoint, rdzv_configs={"rank": node_rank},
-                              max_restarts=0)
+                              rdzv_backend="static", rdzv_endpoint=rdzv_endpoint,
+                              rdzv_configs={"rank": node_rank, "timeout": rdzv_timeout_s}, max_restarts=0)
     # The launcher logs each failed process at ERROR with its own summary; the process has said why already.
     logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
+    main_thread = threading.current_thread() is threading.main_thread()  # only it may set the wakeup fd
+    waiting = WaitingForNodes(node_rank, nnodes, rdzv_endpoint, rdzv_timeout_s) if nnodes > 1 and main_thread else None
     try:
-        with stdout_to_stderr():
+        with stdout_to_stderr(), waiting or nullcontext():
             elastic_launch(config, sys.executable)("-m", "flashdraft", "train", *train_args)
     except ChildFailedError as e:
         rank, failure = e.get_first_failure()
@@ -144,7 +217,8 @@ def run_launched(cfg, data, out, require_checkpoint: bool, log) -> dict:
         settings = Path(tmp) / "train.yaml"
         settings.write_text(yaml.safe_dump({"train": cfg.model_dump(mode="json", exclude_unset=True)}))
         launch(cfg.nproc_per_node, ["--config", str(settings), "--data", str(data), "--out", str(out)]
-               + (["--resume"] if require_checkpoint else []), cfg.nnodes, cfg.node_rank, cfg.rdzv_endpoint)
+               + (["--resume"] if require_checkpoint else []), cfg.nnodes, cfg.node_rank, cfg.rdzv_endpoint,
+               cfg.rdzv_timeout_s)
     if cfg.node_rank > 0:  # global rank 0, on node 0, exported the drafter; here it is checked where it was pushed
         return drafter_in_store(cfg, log)
     drafter = Path(out) / DRAFTER

@@ -116,3 +116,47 @@ def test_nodes_that_differ_in_what_they_train_on_are_refused_naming_the_node(tin
             assert n.returncode == 1 and "Traceback" not in err, err[-3000:]
             assert f"node 1 (rank 1) joined this run with {what} than rank 0" in err, err[-2000:]
         assert not (tmp_path / f"{name}-0" / "checkpoints").exists()
+
+
+@pytest.mark.parametrize("rank", [1, 0])
+def test_a_node_waiting_for_the_others_says_where_and_stops_at_once(tiny_target, tiny_dataset, tmp_path, rank):
+    """Node 1 with no node 0 to meet (and node 0 with no node 1): it says where it waits, and SIGTERM ends it in one
+    error line within seconds — not after torch's store timeout (600 s here), with its C++ stack frames."""
+    config = write_config(tmp_path / "two.yaml", tiny_target, nnodes=2, rdzv_endpoint=f"127.0.0.1:{free_port()}",
+                          rdzv_timeout_s=600)
+    waiting = node(config, tiny_dataset, tmp_path / "out", rank)
+    lines, deadline = [], time.time() + 120
+    while time.time() < deadline:
+        line = waiting.stderr.readline()
+        lines.append(line)
+        if "waiting for" in line or not line:
+            break
+    assert "waiting for" in lines[-1] and ("node 0 at 127.0.0.1:" if rank else "to join at 127.0.0.1:") in lines[-1]
+    assert "of 600 s, train.rdzv_timeout_s" in lines[-1], lines
+    time.sleep(2)  # inside torch's wait by now
+    stopped = time.time()
+    waiting.send_signal(signal.SIGTERM)
+    _, err = waiting.communicate(timeout=60)
+    assert time.time() - stopped < 15 and waiting.returncode == 1
+    rest = [line for line in err.splitlines() if line.strip() and "waiting for" not in line]
+    assert len(rest) <= 2 and "stopped by SIGTERM while waiting for" in err and "Traceback" not in err, err
+
+
+def test_a_node_without_the_dataset_pulls_it_from_the_configs_store_before_training(cli, tiny_target, tiny_dataset,
+                                                                                       tmp_path):
+    """`flashdraft train --config C` on a fresh node whose config names the store the dataset was pushed to: the
+    dataset is pulled and verified before anything trains (a node of several: before the nodes meet); without a
+    store, the missing dataset is refused by the preflight in one line."""
+    import yaml
+
+    store = tmp_path / "store"
+    cli("sync", "push", str(tiny_dataset), str(store / "dataset"), check=True)
+    config = write_config(tmp_path / "c.yaml", tiny_target, max_steps=1, checkpoint_every=1)
+    settings = yaml.safe_load(config.read_text())
+    config.write_text(yaml.safe_dump({**settings, "store": str(store)}))
+    fresh = tmp_path / "node-1" / "dataset"
+    done = cli("train", "--config", str(config), "--data", str(fresh), "--out", str(tmp_path / "out"), check=True)
+    assert f"pull: {fresh} — downloaded" in done.stdout and (fresh / "manifest.json").is_file(), done.stdout
+    refused = cli("train", "--config", str(write_config(tmp_path / "bare.yaml", tiny_target)), "--data",
+                  str(tmp_path / "nowhere"), "--out", str(tmp_path / "out-2"))
+    assert refused.returncode == 1 and "no dataset at" in refused.stderr and "Traceback" not in refused.stderr
