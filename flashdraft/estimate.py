@@ -364,6 +364,14 @@ def estimate(
         "drafter_device_bytes": params * DRAFTER_STATE_BYTES_PER_PARAM + head_copy + step["total"],
         "micro_batch": micro,
     }
+    # train.feature_source: engine — every sequence's states at the watched layers cross the shared directory once
+    # (the engine writes them in bfloat16, the trainer reads and deletes them), at the pace of the steps
+    shared = None
+    if tr.feature_source == "engine":
+        per_sequence = int(per_sample * len(layer_ids) * shape.hidden * 2)
+        shared = {"bytes_per_sequence": per_sequence,
+                  "bytes_per_s": int(per_sequence * tr.batch_size * procs * max(1, tr.nnodes) / step_s),
+                  "hours": round(steps * step_s / 3600, 1)}
     fits = None
     if train_hours is not None:
         fit_steps = int(train_hours * 3600 / step_s)
@@ -397,6 +405,7 @@ def estimate(
         "train_hours": round(hours, 1),
         "train_gpu_hours": round(hours * procs, 1),
         "train_fits": fits,
+        "shared_directory": shared,
         "eval_hours": round(eval_tokens / EVAL_TOKENS_PER_S / 3600, 2),
         "target": {"layers": shape.layers, "hidden": shape.hidden, "vocab": shape.vocab, "from": shape.source,
                    "linear_attention_layers": shape.linear_attention_layers},
@@ -415,7 +424,9 @@ def human_bytes(n: float) -> str:
 def describe(est: dict[str, Any], cfg: PipelineConfig) -> list[str]:
     """The estimate as lines a person reads before committing machines to it."""
     b = human_bytes
-    features = ("offline" if cfg.train.features == "offline" else "online (cache not written; size if it were)") + (
+    features = ("offline" if cfg.train.features == "offline" else
+                "online: computed in each step and never written; what a cache of them would take, "
+                "train.features: offline") + (
         ", from vLLM (train.feature_source: engine)" if cfg.train.feature_source == "engine" else
         ", from the trainer's own transformers copy of the target")
     return [
@@ -451,6 +462,7 @@ def describe(est: dict[str, Any], cfg: PipelineConfig) -> list[str]:
            "(flash-linear-attention, or vLLM with train.feature_source: engine): on transformers' reference loop a "
            "step is about 1.7× longer" if est["target"]["linear_attention_layers"] else "") + ")",
         *fit_line(est),
+        *shared_directory_line(est, cfg),
         f"eval: ≈ {est['eval_hours']} hours ({len(cfg.eval.sources)} prompt set(s) × {cfg.eval.max_prompts} prompts "
         f"× {cfg.eval.max_new_tokens} tokens a turn, "
         f"speculative and target-only, at ~{EVAL_TOKENS_PER_S:.0f} tokens/s: eval's HF decoding measured on an H200)",
@@ -478,6 +490,18 @@ def gpu_lines(est: dict[str, Any], cfg: PipelineConfig) -> list[str]:
         "(a chunk of rows at a time, whatever the rows); bfloat16, FlexAttention (the formula is held to peaks "
         "measured on a CPU; written, not yet checked against a GPU)",
     ]
+
+
+def shared_directory_line(est: dict[str, Any], cfg: PipelineConfig) -> list[str]:
+    """With the engine as the feature source: what the shared directory must sustain for the whole run."""
+    shared = est.get("shared_directory")
+    if not shared:
+        return []
+    return [f"shared directory (train.engine_storage): {human_bytes(shared['bytes_per_sequence'])} a sequence "
+            f"(its tokens × {len(est['target_layer_ids'])} layers × {est['target']['hidden']:,} × 2 bytes), written "
+            f"by the engine and read by the trainer at ≈ {human_bytes(shared['bytes_per_s'])}/s sustained for ≈ "
+            f"{shared['hours']:,} hours: a local NVMe directory beside the engine, or a parallel filesystem (Lustre, "
+            "GPFS, WEKA) that sustains it; each file is deleted once read, so little of it is held at a time"]
 
 
 def cut_line(est: dict[str, Any], cfg: PipelineConfig) -> str:

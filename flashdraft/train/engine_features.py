@@ -48,6 +48,7 @@ import fcntl
 import json
 import os
 import shutil
+import socket
 import stat
 import tempfile
 import time
@@ -183,10 +184,14 @@ class EngineFeatures:
     its features when the target's source is the engine (model/target.py `use`)."""
 
     def __init__(self, endpoints: list[Endpoint], storage: Path, layer_ids: list[int], hidden_size: int,
-                 log_path: str, name: str = SERVED_NAME, first: int = 0, judge: Judge | None = None) -> None:
+                 log_path: str, name: str = SERVED_NAME, first: int = 0, judge: Judge | None = None,
+                 log: Callable[[str], None] | None = None) -> None:
         self.endpoints, self.storage, self.log_path = list(endpoints), storage.resolve(), log_path
         self.layer_ids, self.hidden_size, self.name, self.first = list(layer_ids), hidden_size, name, first
-        self.judge = judge
+        self.judge, self.log = judge, log or (lambda line: None)
+        # every request this process makes is named so: its files in a shared directory are told from other
+        # trainers' (other ranks, other machines), and a restarted process of the same rank removes what it left
+        self.prefix = f"flashdraft-{socket.gethostname()}-r{first}-"
         self.reported: dict[str, str] = {}  # a fleet's servers: the model each says it loaded (its path there)
         self.pool = ThreadPoolExecutor(max_workers=4 * len(self.endpoints), thread_name_prefix="engine-features")
 
@@ -194,18 +199,36 @@ class EngineFeatures:
         """B × T × n·H float32: each row's states, its requests in flight together (the engines batch them), rows
         round-robin over the servers (each training process starting at its own: `first`)."""
         rows = [row.tolist() for row in input_ids_BT.cpu()]
-        where = [self.endpoints[(self.first + i) % len(self.endpoints)] for i in range(len(rows))]
         try:
-            return torch.stack(list(self.pool.map(self.one, rows, where)))
+            return torch.stack(list(self.pool.map(self.one_of_the_fleet, rows, range(self.first, self.first +
+                                                                                         len(rows)))))
         except EngineFailed as e:  # the engine's own words are in its log: name it
             raise EngineFailed(f"target features from vLLM: {e} (log: {self.log_path})") from None
 
+    def one_of_the_fleet(self, ids: list[int], turn: int) -> torch.Tensor:
+        """A sequence's states from the server whose turn it is, or — where that server does not answer (down,
+        restarting, timed out) — from the next one that does. An answer that is wrong (another model, zeros, other
+        tokens, a file out of bounds) is not retried: it ends the run, as a server that lies would on retry too."""
+        tried = []
+        for k in range(len(self.endpoints)):
+            endpoint = self.endpoints[(turn + k) % len(self.endpoints)]
+            try:
+                return self.one(ids, endpoint)
+            except ServerUnreachable as e:
+                tried.append(str(e))
+                if k + 1 < len(self.endpoints):
+                    self.log(f"train: {e}; the sequence goes to {self.endpoints[(turn + k + 1) % len(self.endpoints)]}")
+        raise EngineFailed(f"no server of the fleet answered: {'; '.join(tried)}")
+
     def one(self, ids: list[int], endpoint: Endpoint) -> torch.Tensor:
         # the request's id is ours: vLLM names the file after it, so the answer can name only a file of this request
-        request, deadline = f"flashdraft-{uuid.uuid4().hex}", time.monotonic() + ANSWER_DEADLINE_S
-        answer = ask(endpoint, "/v1/completions", {"model": self.name, "prompt": ids, "max_tokens": 1,
-                                                   "temperature": 0.0, "return_token_ids": True,
-                                                   "request_id": request}, deadline_s=ANSWER_DEADLINE_S)
+        request, deadline = f"{self.prefix}{uuid.uuid4().hex}", time.monotonic() + ANSWER_DEADLINE_S
+        try:
+            answer = ask(endpoint, "/v1/completions", {"model": self.name, "prompt": ids, "max_tokens": 1,
+                                                       "temperature": 0.0, "return_token_ids": True,
+                                                       "request_id": request}, deadline_s=ANSWER_DEADLINE_S)
+        except EngineFailed as e:  # it did not answer: another server may (one_of_the_fleet)
+            raise ServerUnreachable(str(e)) from None
         try:
             parsed = json.loads(answer)
             path = parsed["kv_transfer_params"]["hidden_states_path"]
@@ -277,6 +300,22 @@ class EngineFeatures:
             return load(data)
         except (SafetensorError, ValueError, RuntimeError) as e:
             raise EngineFailed(f"{endpoint}: {path} is not a safetensors file ({e})") from None
+
+
+class ServerUnreachable(EngineFailed):
+    """A fleet server that gave no answer (refused, timed out, an HTTP error): the request can go to another."""
+
+
+def clear_leftovers(storage: Path, prefix: str) -> int:
+    """Files a killed process of this machine and rank left in the shared directory (its requests' states and their
+    locks, named with `prefix`): removed when the same rank starts again, as nothing else writes those names.
+    Regular files only, never through a link; returns how many."""
+    removed = 0
+    for entry in os.scandir(storage):
+        if prefix in entry.name and entry.is_file(follow_symlinks=False):
+            Path(entry.path).unlink(missing_ok=True)
+            removed += 1
+    return removed
 
 
 def expected_bytes(tokens: int, layers: int, hidden: int) -> int:
@@ -355,12 +394,13 @@ def fleet_features(cfg: TrainConfig, target_dir: str, layer_ids: list[int], hidd
     if len(set(reported.values())) > 1:  # one run, one target: servers that loaded different models are refused
         raise EngineFailed(f"train.engine_urls: the servers loaded different models under {name}: {reported}")
     source = EngineFeatures(endpoints, Path(cfg.engine_storage or ""), layer_ids, hidden_size,
-                            "the fleet servers' own logs", name, first=rank, judge=judge)
+                            "the fleet servers' own logs", name, first=rank, judge=judge, log=log)
     source.reported = reported
+    if left := clear_leftovers(source.storage, source.prefix):
+        log(f"train: removed {left} file(s) a stopped run of this rank left in {source.storage}")
     # fixed sequences to each server: a model of the same shape with other weights chooses other next tokens
-    probe = torch.tensor([PROBE] * len(endpoints))
-    try:
-        source.features(probe)
+    try:  # each server itself, not retried on another: this is the check that every one of them is right
+        list(source.pool.map(source.one, [PROBE] * len(endpoints), endpoints))
     except EngineFailed as e:
         source.pool.shutdown(wait=True)
         raise EngineFailed(f"train.engine_urls: {e}") from None

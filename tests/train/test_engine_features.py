@@ -342,3 +342,36 @@ def test_an_answer_is_judged_by_what_it_computed(tmp_path):
         finally:
             server.shutdown()
             source.pool.shutdown()
+
+
+def test_a_fleet_server_that_does_not_answer_has_its_sequences_sent_to_another(tmp_path):
+    """A fleet of two where one server is down: its rows go to the other, each said in a line; files a stopped
+    process of this machine and rank left in the shared directory are removed when it starts again, and no other's."""
+    import socket as sockets
+
+    from flashdraft.served import Endpoint
+    from flashdraft.train.engine_features import EngineFeatures, clear_leftovers
+
+    ids = [3, 1, 4, 1]
+    states = torch.randn(len(ids), 2, 8)
+    storage = tmp_path / "storage"
+    storage.mkdir()
+    with sockets.socket() as unused:
+        unused.bind(("127.0.0.1", 0))
+        down = f"http://127.0.0.1:{unused.getsockname()[1]}"  # bound, never listening: refused
+        server, url = answering(storage, states, 9)
+        said = []
+        source = EngineFeatures([Endpoint(url=down), Endpoint(url=url)], storage, [0, 1], 8, "log",
+                                judge=lambda hidden: [9], log=said.append)
+        try:
+            got = source.features(torch.tensor([ids, ids, ids]))
+            assert torch.equal(got, states.reshape(len(ids), -1).expand(3, -1, -1))
+            assert len(said) == 2 and all(f"the sequence goes to {url}" in line for line in said), said
+        finally:
+            server.shutdown()
+            source.pool.shutdown()
+    mine = storage / f"cmpl-{source.prefix}dead-0-1.safetensors"
+    theirs = storage / "cmpl-flashdraft-otherhost-r0-dead-0-1.safetensors"
+    for path in (mine, mine.with_name(mine.name + ".lock"), theirs):
+        path.write_bytes(b"x")
+    assert clear_leftovers(storage, source.prefix) == 2 and sorted(p.name for p in storage.iterdir()) == [theirs.name]
