@@ -43,7 +43,7 @@ PROMPTS = ["Tell me about cats.", "Name three colours.", "What is a river?", "Ho
 DRAFT_VOCAB = 2048  # a reduced vocabulary: the layout each engine must read (vLLM: d2t offsets; llama.cpp: I64 ids)
 
 
-def agreeing_drafter(target_dir: str, tokenizer, steps: int, dspark: bool = False):
+def agreeing_drafter(target_dir: str, tokenizer, steps: int, dspark: bool = False, prompts: list[str] = PROMPTS):
     """A one-layer, block-4 drafter over a 2,048-token draft vocabulary, trained a little on the target's own greedy
     answers to PROMPTS: it accepts a few dozen drafts on them, where an engine that misreads the export (layer ids,
     mask token, block layout, the draft vocabulary's mapping) accepts next to none. `dspark`: a DSpark drafter
@@ -63,7 +63,7 @@ def agreeing_drafter(target_dir: str, tokenizer, steps: int, dspark: bool = Fals
                                            num_anchors=64)) if dspark else DFlashDrafter(config))
     target.watch(drafter.target_layer_ids)
     sequences = []
-    for text in PROMPTS:
+    for text in prompts:
         ids = list(tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
                                                  tokenize=True, return_dict=True)["input_ids"])
         full = torch.tensor(ids + target_only(target, ids, 48)[0])
@@ -106,6 +106,35 @@ def agreeing_export(tmp_path_factory, smollm2_dir):
     save_drafter(drafter, where / "drafter", target_lm_head=head)
     prompts = where / "p.jsonl"
     prompts.write_text("".join(json.dumps({"prompt": text}) + "\n" for text in PROMPTS))
+    return where / "drafter", prompts
+
+
+# Prompts the target answers by copying: even sampled at temperature 1 it is confident of each next token there, so
+# a drafter trained on its answers has drafts to accept at T 1 (on open questions SmolLM2 at T 1 is too uncertain for
+# any drafter: τ ≈ 1.02), and an engine that accepts nothing is told from one that agrees.
+COPYING = ["Repeat this text exactly, word for word: The river runs past the old mill, under the stone bridge, and on "
+           "through the quiet valley to the sea.",
+           "Copy the following line exactly: Alice went to the market on Monday and bought apples, bread, cheese and "
+           "a small blue jug.",
+           "Repeat exactly: One, two, buckle my shoe. Three, four, shut the door. Five, six, pick up sticks. Seven, "
+           "eight, lay them straight.",
+           "Write this sentence back to me unchanged: Every morning the baker opens the shop at six and sells fresh "
+           "bread to the village."]
+
+
+@pytest.fixture(scope="module")
+def copying_export(tmp_path_factory, smollm2_dir):
+    """A drafter trained, as the agreeing one, on the target's answers to COPYING, exported; and those prompts."""
+    from transformers import AutoTokenizer
+
+    from flashdraft.model.export import save_drafter
+
+    where = tmp_path_factory.mktemp("copying")
+    drafter, head = agreeing_drafter(smollm2_dir, AutoTokenizer.from_pretrained(smollm2_dir), steps=60,
+                                     prompts=COPYING)
+    save_drafter(drafter, where / "drafter", target_lm_head=head)
+    prompts = where / "p.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": text}) + "\n" for text in COPYING))
     return where / "drafter", prompts
 
 
@@ -351,7 +380,7 @@ def test_the_drafter_alone_serves_beside_a_quantized_target(cli, tmp_path, smoll
 
 @pytest.mark.slow
 @pytest.mark.skipif(INSTALLED != ["vllm", "llamacpp"], reason="needs both engines: run scripts/engines.sh")
-def test_at_temperature_one_the_engines_agree_with_eval_under_its_draft_rule(tmp_path, smollm2_dir, agreeing_export):
+def test_at_temperature_one_the_engines_agree_with_eval_under_its_draft_rule(tmp_path, smollm2_dir, copying_export):
     """At temperature 1 over 2 seeds, τ with its standard error over prompts × seeds: under the greedy rule (the
     default; the engines' own) vLLM and llama.cpp each agree with eval; under `sample` vLLM, started with
     draft_sample_method probabilistic, agrees, and llama.cpp (greedy only) is said not comparable. Eval's τ is far
@@ -361,7 +390,7 @@ def test_at_temperature_one_the_engines_agree_with_eval_under_its_draft_rule(tmp
     from flashdraft.config import EvalConfig
     from flashdraft.evaluate import run
 
-    drafter_dir, prompts = agreeing_export
+    drafter_dir, prompts = copying_export
     longer = tmp_path / "longer.jsonl"
     longer.write_text(prompts.read_text() + json.dumps({"prompt": "Summarize: " + "The river runs to the sea. " * 330})
                       + "\n")
@@ -382,7 +411,7 @@ def test_at_temperature_one_the_engines_agree_with_eval_under_its_draft_rule(tmp
     assert "judged" not in sampled["engines"]["llamacpp"] and sampled["engines"]["llamacpp"]["not_comparable"]
     assert "draft_sample_method probabilistic" in (tmp_path / "sample" / "report.md").read_text()
     rows = json.loads((tmp_path / "sample" / "report.json").read_text())["prompts"]
-    assert sorted({row["seed"] for row in rows}) == [0, 1] and len(rows) == 2 * (len(PROMPTS) + 1)
+    assert sorted({row["seed"] for row in rows}) == [0, 1] and len(rows) == 2 * (len(COPYING) + 1)
     assert max(row["prompt_tokens"] for row in rows) > 2048
 
 
