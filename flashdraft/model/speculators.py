@@ -21,7 +21,7 @@ from typing import Any
 from flashdraft.artifact.manifest import Lineage, check_done, identity, read_manifest, require_verified, sha256_json
 from flashdraft.artifact.ownership import commit_dir
 from flashdraft.errors import BadInput, ExpectedFailure
-from flashdraft.layout import require_drafter
+from flashdraft.model.drafter_config import read_drafter_config
 from flashdraft.model.staging import staged_model
 
 
@@ -30,8 +30,8 @@ def export_speculators(drafter_dir: Path, target_ref: str, out: Path, log: Calla
     from flashdraft.model.resolve import resolve_model
 
     drafter_dir, out = Path(drafter_dir), Path(out)
-    require_drafter(drafter_dir)
-    config = json.loads((drafter_dir / "config.json").read_text())
+    drafter = read_drafter_config(drafter_dir)  # read once, checked: what the steps below are handed
+    config = drafter.raw
     if config.get("architectures") == ["DFlash2DraftModel"]:
         raise BadInput("speculators 0.9 has a DFlash2 model class but no DFlash2 converter (its "
                        "speculators.convert.dflash writes DFlash only, and refuses the convolution and selector "
@@ -62,7 +62,7 @@ def export_speculators(drafter_dir: Path, target_ref: str, out: Path, log: Calla
     # safetensors, JSON without auto_map, no Python file), never the directories as they are.
     with tempfile.TemporaryDirectory(prefix="flashdraft-speculators-stage-") as staging, \
             staged_model(Path(target), "target", Path(staging) / "target") as staged_target, \
-            staged_model(drafter_dir, "drafter", Path(staging) / "drafter") as staged_drafter, \
+            staged_model(drafter_dir, "drafter", Path(staging) / "drafter", config) as staged_drafter, \
             commit_dir(out, "drafter", stats=stats, lineage=lineage) as tmp:
         # The converter loads the verifier's embedding and LM head into the checkpoint, then reloads the result
         # with speculators' DFlashDraftModel (validate=True) before flashdraft commits it.

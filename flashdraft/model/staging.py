@@ -71,17 +71,23 @@ def architecture_of(config: dict, source: Path, kind: Kind) -> str:
 
 
 @contextmanager
-def staged_model(source: Path, kind: Kind, where: Path) -> Iterator[Path]:
-    """A directory at `where` holding only the allowlisted files of `source` (removed afterwards)."""
+def staged_model(source: Path, kind: Kind, where: Path, config: dict | None = None) -> Iterator[Path]:
+    """A directory at `where` holding only the allowlisted files of `source` (removed afterwards). `config`: its
+    config.json as already read and checked (a drafter's DrafterConfig.raw), written as it was checked, not read
+    again."""
     source = Path(source)
-    config_path = regular_file(source / "config.json")
-    if config_path is None:
-        raise BadInput(f"{source} has no config.json (a regular file)")
-    config = json.loads(read_small(config_path, MAX_JSON_BYTES))
+    if config is None:
+        config_path = regular_file(source / "config.json")
+        if config_path is None:
+            raise BadInput(f"{source} has no config.json (a regular file)")
+        config = strip_code_references(json.loads(read_small(config_path, MAX_JSON_BYTES)))
     architecture_of(config, source, kind)
     where.mkdir(parents=True, exist_ok=False)  # a fresh directory of the caller's own temp dir
     try:
+        (where / "config.json").write_text(json.dumps(config, ensure_ascii=False))
         for name in JSON_FILES[kind]:
+            if name == "config.json":
+                continue
             if (real := regular_file(source / name)) is not None:
                 data = strip_code_references(json.loads(read_small(real, MAX_JSON_BYTES)))
                 (where / name).write_text(json.dumps(data, ensure_ascii=False))
