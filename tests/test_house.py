@@ -77,3 +77,31 @@ def test_the_drawing_finds_a_circle_when_there_is_one():
 def test_no_module_outgrows_one_reader():
     long = {name: n for name, path in modules().items() if (n := len(path.read_text().splitlines())) > LONGEST}
     assert long == {}
+
+
+def test_each_package_is_a_face_and_its_stage_lives_in_a_named_module():
+    """A package's __init__ says what it offers in a few lines; the run is in a module named for it."""
+    faces = {path: len(path.read_text().splitlines()) for path in PACKAGE.rglob("__init__.py")}
+    assert faces and {str(path.relative_to(PACKAGE)): n for path, n in faces.items() if n >= 40} == {}
+    for stage in ("generate", "tokenize", "train", "evaluate"):
+        assert (PACKAGE / stage / "stage.py").is_file()
+
+
+def test_no_import_runs_back_up_to_a_package_that_holds_the_module():
+    """A module never imports its own package's face (which imports the module: a circle the drawing would hide
+    behind the package's name)."""
+    graph = imports()
+    # the root's face (flashdraft/__init__.py: __version__) imports nothing, so reading it closes no circle
+    upward = {name: sorted(t for t in targets if name.startswith(t + ".") and graph[t])
+              for name, targets in graph.items()}
+    assert {name: up for name, up in upward.items() if up} == {}
+
+
+def test_test_machinery_is_not_in_the_product():
+    """SeaweedFS, stand-in servers and forwarders live in tests/servers.py: no product module imports tests."""
+    assert not (PACKAGE / "testing.py").exists()
+    for path in PACKAGE.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = ([node.module or ""] if isinstance(node, ast.ImportFrom) else
+                     [alias.name for alias in node.names] if isinstance(node, ast.Import) else [])
+            assert not any(name == "tests" or name.startswith("tests.") for name in names), path
