@@ -125,7 +125,8 @@ def markdown_report(report: dict[str, Any]) -> str:
         f"decoding: {report['decoding']}",
         *([SE_NOTE] if cfg["temperature"] > 0 else []),
         "",
-        "| dataset | turns | input tokens | τ | τ, mean per turn | acceptance by position 1…K−1 | speedup | lossless |",
+        "| dataset | turns | input tokens | τ | τ, mean per turn | acceptance by position 1…K−1 | speedup, in-process "
+        "| lossless |",
         "|---|---:|---:|---:|---:|---|---:|---|",
     ]
     rows = list(report["by_dataset"].items())
@@ -137,7 +138,7 @@ def markdown_report(report: dict[str, Any]) -> str:
         if "by_category" in block:
             lines += ["", f"τ by category — {name}", "",
                       "| category | turns | input tokens | τ | τ, mean per turn | acceptance by position 1…K−1 | "
-                      "speedup | lossless |", "|---|---:|---:|---:|---:|---|---:|---|"]
+                      "speedup, in-process | lossless |", "|---|---:|---:|---:|---:|---|---:|---|"]
             lines += [table_row(category, rows, lossless) for category, rows in block["by_category"].items()]
     if "dspark" in report:
         lines += ["", *dspark_table(report["dspark"])]

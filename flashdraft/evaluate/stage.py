@@ -53,6 +53,9 @@ def run(
     prompts, rejected, sets = load_prompts(cfg)
     check_engines(cfg, drafter, log)
     target_path = resolve_model(target_ref or cfg.target, log=log)
+    if (single := one_mode_if_the_template_has_none(cfg, target_path, log)) is not cfg:
+        cfg = single
+        prompts, rejected, sets = load_prompts(cfg)
     check_engines_hold(cfg, target_path)
     lineage = eval_lineage(cfg, drafter_dir, target_path, prompts)
     # Locked for the run; refused unless it is an eval report (or empty) outside the drafter and the target.
@@ -135,6 +138,25 @@ def check_engines(cfg: EvalConfig, drafter: DrafterConfig, log: Callable[[str], 
                        "here, or with vLLM on a GPU host (--engine-url)")
     for engine in cfg.engines:
         log(f"eval: engine {check_engine(engine, cfg.engine_url, cfg.engine_python)}")
+
+
+def one_mode_if_the_template_has_none(cfg: EvalConfig, target_path: str, log: Callable[[str], None]) -> EvalConfig:
+    """Both thinking modes asked for, and a chat template that never reads `enable_thinking` (it renders a prompt
+    the same either way): the two rows would be the same prompts measured twice. Measured once, thinking off, and
+    said; the report's heading gives the one mode."""
+    if len(cfg.thinking_modes) < 2:
+        return cfg
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(target_path)
+    probe = [{"role": "user", "content": "What is 2 + 2?"}]
+    on, off = (tokenizer.apply_chat_template(probe, add_generation_prompt=True, tokenize=False, enable_thinking=mode)
+               for mode in (True, False))
+    if on != off:
+        return cfg
+    log(f"eval: {target_path}'s chat template has no thinking mode (it never reads enable_thinking): thinking on "
+        "and off would be the same prompts, so they are measured once, thinking off")
+    return cfg.model_copy(update={"thinking": False})
 
 
 def check_engines_hold(cfg: EvalConfig, target_path: str) -> None:
