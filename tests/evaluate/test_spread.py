@@ -65,3 +65,16 @@ def test_a_sampled_tau_is_never_shown_without_its_spread():
     table = markdown_report(report)
     assert "| 1.31 ± 0.02 |" in table and "draft rule greedy" in table and "seed 0" in table
     assert "1.31 |" not in table.replace("1.31 ± 0.02 |", "")
+
+
+def test_a_report_over_two_seeds_shows_them_and_each_rows_spread():
+    config = {"thinking": False, "temperature": 0.7, "seed": 5, "seeds": 2, "draft_sampling": "sample",
+              "max_new_tokens": 8}
+    block = {"prompts": 8, "prompt_tokens_mean": 20.0, "acceptance_length": 1.5, "standard_error": 0.04,
+             "acceptance_length_mean_per_turn": 1.4, "acceptance_by_position": [0.3], "speedup": 1.0,
+             "lossless": None}
+    report = {**block, "config": config, "target_dtype": "float32", "decoding": "growing KV cache",
+              "by_dataset": {"a": block, "b": {**block, "standard_error": None}}}
+    table = markdown_report(report)
+    assert "seeds 5, 6" in table and "turns count each seed's" in table and "draft rule sample" in table
+    assert "| a | 8 | 20 | 1.50 ± 0.04 |" in table and "| b | 8 | 20 | 1.50 ± ? (one draw) |" in table
