@@ -63,15 +63,7 @@ def engine_report(cfg: EvalConfig, name: str, prompts: list, render: Callable, t
                      seeds=tuple(seeds_of(cfg)) if sampled else (None,), log=log)
     tau = (engine["overall"] or {}).get("acceptance_length")
     if sampled:  # a sampled τ is a random variable: each comes with its standard error, and is judged by it
-        add_engine_errors(engine)
-        engine["draft_rule"] = engine_draft_rule(name, cfg.draft_sampling)
-        if name == "llamacpp" and cfg.draft_sampling == "sample":
-            engine["not_comparable"] = ("llama.cpp drafts greedily (the argmax, accepted with the target's "
-                                        "probability of it); eval drafted with the sample rule: measure with "
-                                        "--draft-sampling greedy to compare")
-        elif verdict := judged(tau, (engine["overall"] or {}).get("standard_error"), report["acceptance_length"],
-                               report.get("standard_error")):
-            engine["judged"] = verdict  # the two τ agree when within their spread, not to a constant
+        judge_sampled(name, cfg.draft_sampling, engine, report)
     engine["flashdraft_acceptance_length"] = report["acceptance_length"]
     if tau is None:
         if passes:  # eval verified drafts, the engine counted none: it is not speculating with this drafter
@@ -91,6 +83,21 @@ def engine_report(cfg: EvalConfig, name: str, prompts: list, render: Callable, t
         f"drafts) beside eval's τ {with_error(report)}" + (f": {verdict_words(engine['judged'])}"
                                                            if engine.get("judged") else ""))
     return engine
+
+
+def judge_sampled(name: str, draft_sampling: str, engine: dict[str, Any], report: dict[str, Any]) -> None:
+    """An engine's τ at T > 0: each of its τ with a standard error, the rule it drafted by, and its judgement against
+    eval's — or, where it cannot draft by eval's rule (llama.cpp under `sample`), why it is not judged."""
+    add_engine_errors(engine)
+    engine["draft_rule"] = engine_draft_rule(name, draft_sampling)
+    if name == "llamacpp" and draft_sampling == "sample":
+        engine["not_comparable"] = ("llama.cpp drafts greedily (the argmax, accepted with the target's probability of "
+                                    "it); eval drafted with the sample rule: measure with --draft-sampling greedy to "
+                                    "compare")
+    elif verdict := judged((engine["overall"] or {}).get("acceptance_length"),
+                           (engine["overall"] or {}).get("standard_error"), report["acceptance_length"],
+                           report.get("standard_error")):
+        engine["judged"] = verdict  # the two τ agree when within their spread, not to a constant
 
 
 def engine_draft_rule(engine: str, draft_sampling: str) -> str:

@@ -78,3 +78,23 @@ def test_a_report_over_two_seeds_shows_them_and_each_rows_spread():
     table = markdown_report(report)
     assert "seeds 5, 6" in table and "turns count each seed's" in table and "draft rule sample" in table
     assert "| a | 8 | 20 | 1.50 ± 0.04 |" in table and "| b | 8 | 20 | 1.50 ± ? (one draw) |" in table
+
+
+def test_an_engine_is_judged_only_under_the_rule_it_drafts_by():
+    """llama.cpp drafts greedily only: under `sample` its row says so instead of a verdict; vLLM is judged under
+    either rule (eval starts it with the matching draft_sample_method), and its table names that method."""
+    from flashdraft.evaluate.in_engines import judge_sampled
+
+    def served(name):
+        rows = [{"dataset": "s", "category": "all", "accepted": a, "drafts": d} for a, d in ((3, 10), (5, 10))]
+        return {"engine": name, "overall": {"acceptance_length": 1.4}, "prompts": rows,
+                "by_dataset": {"s": {"acceptance_length": 1.4}}}
+
+    ours = {"acceptance_length": 1.38, "standard_error": 0.05}
+    for rule in ("greedy", "sample"):
+        llama, vllm = served("llamacpp"), served("vllm")
+        judge_sampled("llamacpp", rule, llama, ours)
+        judge_sampled("vllm", rule, vllm, ours)
+        assert vllm["judged"]["agrees"] and vllm["overall"]["standard_error"] == 0.1
+        assert ("probabilistic" if rule == "sample" else "draft_sample_method greedy") in vllm["draft_rule"]
+        assert ("judged" in llama) == (rule == "greedy") and ("not_comparable" in llama) == (rule == "sample")
