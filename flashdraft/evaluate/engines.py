@@ -184,6 +184,19 @@ def parsed(model: type[BaseModel], data: bytes, where: str) -> Any:
                                   f"{first['msg']}") from None
 
 
+# The target's own distribution at the temperature, nothing cut from it, as eval samples: llama-server otherwise
+# samples with top_k 40, top_p 0.95 and min_p 0.05 (common/common.h), and vLLM with the sampling defaults of the
+# target's generation_config.json (Qwen3.6's top_k 20, top_p 0.95). A truncated distribution is more confident and
+# accepts more drafts: at T 1 on the demo drafter llama.cpp's τ was 0.08 above eval's before these were sent.
+PLAIN_SAMPLING = {
+    "vllm": {"top_k": 0, "top_p": 1.0, "min_p": 0.0, "repetition_penalty": 1.0, "presence_penalty": 0.0,
+             "frequency_penalty": 0.0},
+    "llamacpp": {"top_k": 0, "top_p": 1.0, "min_p": 0.0, "typical_p": 1.0, "top_n_sigma": -1.0,
+                 "xtc_probability": 0.0, "repeat_penalty": 1.0, "presence_penalty": 0.0, "frequency_penalty": 0.0,
+                 "dry_multiplier": 0.0, "dynatemp_range": 0.0},
+}
+
+
 def complete(engine: str, endpoint: Endpoint, prompt_ids: list[int], max_new_tokens: int, positions: int,
              temperature: float = 0.0, seed: int | None = None) -> tuple[str, int, Counters | None]:
     """One completion of the prompt's token ids — greedy, or sampled at `temperature` with the request's `seed` —:
@@ -192,10 +205,10 @@ def complete(engine: str, endpoint: Endpoint, prompt_ids: list[int], max_new_tok
     sampled = {"seed": seed} if temperature > 0 and seed is not None else {}
     if engine == "vllm":
         path, body = "/v1/completions", {"model": SERVED_NAME, "prompt": prompt_ids, "max_tokens": max_new_tokens,
-                                         "temperature": temperature, **sampled}
+                                         "temperature": temperature, **PLAIN_SAMPLING[engine], **sampled}
     else:
         path, body = "/completion", {"prompt": prompt_ids, "n_predict": max_new_tokens, "temperature": temperature,
-                                     "cache_prompt": False, **sampled}
+                                     "cache_prompt": False, **PLAIN_SAMPLING[engine], **sampled}
     data = ask(endpoint, path, body, deadline_s=ANSWER_DEADLINE_S)
     if engine == "vllm":
         answer = parsed(VllmAnswer, data, f"{endpoint}{path}")
