@@ -64,6 +64,7 @@ FROZEN_FLAGS = {
         "--confidence-threshold",
         "--config",
         "--decoding",
+        "--draft-sampling",
         "--drafter",
         "--engine",
         "--engine-only",

@@ -130,7 +130,7 @@ def test_stages_refuse_an_out_they_do_not_own_and_change_nothing(cli, tmp_path, 
     with_notes = users_dir(tmp_path / "eval-out")
     drafter = tmp_path / "no-drafter"
     drafter.mkdir()
-    (drafter / "config.json").write_text("{}")
+    (drafter / "config.json").write_text('{"architectures": ["DFlashDraftModel"], "block_size": 4}')
     before = tree_digest(tmp_path)
     line = one_line_error(cli("eval", "--drafter", str(drafter), "--out", str(with_notes), "--target", smollm2_dir))
     assert "not empty" in line and tree_digest(tmp_path) == before

@@ -94,7 +94,7 @@ def test_a_hub_set_on_a_machine_without_the_hub_names_the_local_way(cli, tmp_pat
 
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf")}
     (tmp_path / "drafter").mkdir()
-    (tmp_path / "drafter" / "config.json").write_text("{}")
+    (tmp_path / "drafter" / "config.json").write_text('{"architectures": ["DFlashDraftModel"], "block_size": 4}')
     result = cli("eval", "--drafter", str(tmp_path / "drafter"), "--prompts", "gsm8k", "--out", str(tmp_path / "e"),
                  env=env)
     assert result.returncode == 1, result.stderr
@@ -111,7 +111,7 @@ def test_a_hub_that_does_not_answer_is_one_line_not_a_minute_of_retries(cli, tmp
     env = {k: v for k, v in os.environ.items() if k not in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE")}
     env |= {"HF_ENDPOINT": "http://127.0.0.1:9", "HF_HOME": str(tmp_path / "hf")}
     (tmp_path / "drafter").mkdir()
-    (tmp_path / "drafter" / "config.json").write_text("{}")
+    (tmp_path / "drafter" / "config.json").write_text('{"architectures": ["DFlashDraftModel"], "block_size": 4}')
     result = cli("eval", "--drafter", str(tmp_path / "drafter"), "--prompts", "gsm8k", "--out", str(tmp_path / "e"),
                  env=env)
     lines = [line for line in result.stderr.splitlines() if line.strip()]
