@@ -109,35 +109,6 @@ def agreeing_export(tmp_path_factory, smollm2_dir):
     return where / "drafter", prompts
 
 
-# Prompts the target answers by copying: even sampled at temperature 1 it is confident of each next token there, so
-# a drafter trained on its answers has drafts to accept at T 1 (on open questions SmolLM2 at T 1 is too uncertain for
-# any drafter: τ ≈ 1.02), and an engine that accepts nothing is told from one that agrees.
-COPYING = ["Repeat this text exactly, word for word: The river runs past the old mill, under the stone bridge, and on "
-           "through the quiet valley to the sea.",
-           "Copy the following line exactly: Alice went to the market on Monday and bought apples, bread, cheese and "
-           "a small blue jug.",
-           "Repeat exactly: One, two, buckle my shoe. Three, four, shut the door. Five, six, pick up sticks. Seven, "
-           "eight, lay them straight.",
-           "Write this sentence back to me unchanged: Every morning the baker opens the shop at six and sells fresh "
-           "bread to the village."]
-
-
-@pytest.fixture(scope="module")
-def copying_export(tmp_path_factory, smollm2_dir):
-    """A drafter trained, as the agreeing one, on the target's answers to COPYING, exported; and those prompts."""
-    from transformers import AutoTokenizer
-
-    from flashdraft.model.export import save_drafter
-
-    where = tmp_path_factory.mktemp("copying")
-    drafter, head = agreeing_drafter(smollm2_dir, AutoTokenizer.from_pretrained(smollm2_dir), steps=60,
-                                     prompts=COPYING)
-    save_drafter(drafter, where / "drafter", target_lm_head=head)
-    prompts = where / "p.jsonl"
-    prompts.write_text("".join(json.dumps({"prompt": text}) + "\n" for text in COPYING))
-    return where / "drafter", prompts
-
-
 INSTALLED = [engine for engine in ("vllm", "llamacpp") if engine_program(engine, None).is_file()]
 
 
@@ -213,67 +184,6 @@ def test_the_gguf_export_is_a_verified_artifact_with_the_draft_vocabulary_as_tar
     d2t = next(t for t in GGUFReader(out / "drafter.gguf").tensors if t.name == "d2t")
     offsets = load_file(drafter_dir / "model.safetensors")["d2t"]
     assert d2t.data.tolist() == (offsets + torch.arange(len(offsets))).tolist()  # absolute target ids
-
-
-@pytest.fixture(scope="module")
-def dspark_export(tmp_path_factory, smollm2_dir):
-    """A DSpark drafter (vanilla Markov head, confidence head, the same draft vocabulary), trained as above and
-    exported in DeepSpec's native format, and the prompts."""
-    from transformers import AutoTokenizer
-
-    from flashdraft.model.export import save_drafter
-
-    where = tmp_path_factory.mktemp("dspark")
-    drafter, head = agreeing_drafter(smollm2_dir, AutoTokenizer.from_pretrained(smollm2_dir), steps=60, dspark=True)
-    save_drafter(drafter, where / "drafter", target_lm_head=head)
-    prompts = where / "p.jsonl"
-    prompts.write_text("".join(json.dumps({"prompt": text}) + "\n" for text in PROMPTS))
-    return where / "drafter", prompts
-
-
-@pytest.mark.slow
-@needs_llamacpp
-def test_llamacpp_serves_a_dspark_export_and_accepts_what_eval_accepts(tmp_path, smollm2_dir, dspark_export):
-    """llama.cpp's `draft-dspark` on the native export (converted by its own DSpark class, the Markov head in its
-    graph): K drafts a step, the anchor's slot included, and eval's accepted drafts within a tenth."""
-    from flashdraft.config import EvalConfig
-    from flashdraft.evaluate import run
-
-    drafter_dir, prompts = dspark_export
-    out = tmp_path / "eval"
-    cfg = EvalConfig(prompts=str(prompts), target=smollm2_dir, max_new_tokens=48, engine="llamacpp",
-                     engine_baseline=False)
-    stats = run(cfg, drafter_dir, out, log=print)
-    report = json.loads((out / "report.json").read_text())
-    steps = [p["accepted"] for p in report["prompts"]]
-    accepted, passes = sum(map(sum, steps)), sum(map(len, steps))
-    assert stats["lossless"] is True and accepted >= 5, (accepted, passes)
-    assert report["dspark"]["mean_proposed"] == 4.0  # uncut: every slot of the block of 4 is sent
-    served = stats["engines"]["llamacpp"]["overall"]
-    assert abs(served["accepted_tokens"] - accepted) <= max(2, accepted // 10), (served, accepted)
-    assert abs(served["drafts"] - passes) <= 3, (served, passes)
-    assert served["draft_tokens"] > 3 * served["drafts"]  # more than DFlash's K − 1 a step: the anchor slot drafts
-    assert abs(served["acceptance_length"] - stats["acceptance_length"]) <= 0.1
-
-    # the engine alone (eval.engine_only: minutes on a served engine, no in-process decoding): the same τ there
-    alone = run(cfg.model_copy(update={"engine_only": True}), drafter_dir, tmp_path / "alone", log=print)
-    assert alone["engine_only"] is True and "acceptance_length" not in alone
-    assert abs(alone["engines"]["llamacpp"]["overall"]["acceptance_length"] - served["acceptance_length"]) <= 0.05
-    assert "engine only" in (tmp_path / "alone" / "report.md").read_text()
-
-
-@pytest.mark.slow
-@needs_llamacpp
-def test_a_markov_head_the_engines_cannot_run_is_refused_before_any_work(cli, tmp_path, smollm2_dir, dspark_export):
-    drafter_dir, prompts = dspark_export
-    gated = tmp_path / "gated"
-    gated.mkdir()
-    config = json.loads((drafter_dir / "config.json").read_text())
-    (gated / "config.json").write_text(json.dumps({**config, "markov_head_type": "gated"}))
-    run = cli("export", "--format", "gguf", "--drafter", str(gated), "--target", smollm2_dir, "--out",
-              str(tmp_path / "g"))
-    assert run.returncode == 1 and "Traceback" not in run.stderr and "serve vanilla only" in run.stderr
-    assert not (tmp_path / "g").exists()
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU host vLLM serves DSpark: nothing to refuse")
@@ -376,79 +286,6 @@ def test_the_drafter_alone_serves_beside_a_quantized_target(cli, tmp_path, smoll
     print("τ beside the f32 target and the Q8_0 one:", tau)
     # (the agreeing drafter is accepted a little, as in eval: τ 1.05 here; a misread pair accepts nothing)
     assert tau["f32"] > 1.0 and tau["q8_0"] > 1.0 and abs(tau["q8_0"] - tau["f32"]) < 0.1, tau
-
-
-@pytest.mark.slow
-@pytest.mark.skipif(INSTALLED != ["vllm", "llamacpp"], reason="needs both engines: run scripts/engines.sh")
-def test_at_temperature_one_the_engines_agree_with_eval_under_its_draft_rule(tmp_path, smollm2_dir, copying_export):
-    """At temperature 1 over 2 seeds, τ with its standard error over prompts × seeds: under the greedy rule (the
-    default; the engines' own) vLLM and llama.cpp each agree with eval; under `sample` vLLM, started with
-    draft_sample_method probabilistic, agrees. Eval's τ is far
-    enough above 1 that an engine accepting nothing (vLLM's CPU build without the fix for vllm#55005) would not
-    agree. One prompt is past vLLM's 2,048-token step: split over two prefill steps, a seeded request crashed its
-    CPU build ("CPU Generator does not use offset"), so flashdraft asks for a step as long as the context."""
-    from flashdraft.config import EvalConfig
-    from flashdraft.evaluate import run
-    from flashdraft.evaluate.spread import judged
-
-    drafter_dir, prompts = copying_export
-    longer = tmp_path / "longer.jsonl"
-    longer.write_text(prompts.read_text() + json.dumps({"prompt": "Summarize: " + "The river runs to the sea. " * 330})
-                      + "\n")
-    settings = dict(target=smollm2_dir, max_new_tokens=24, engine_baseline=False, temperature=1.0, seeds=2)
-    greedy = run(EvalConfig(prompts=str(prompts), engine=["vllm", "llamacpp"], **settings), drafter_dir,
-                 tmp_path / "greedy", log=print)
-    # an engine that accepted nothing (τ 1, as vLLM's CPU build without the fix for vllm#55005 could) would not agree
-    assert not judged(1.0, 0.0, greedy["acceptance_length"], greedy["standard_error"])["agrees"], greedy
-    for engine in ("vllm", "llamacpp"):
-        verdict = greedy["engines"][engine]["judged"]
-        assert verdict["agrees"] and verdict["bound"] >= 0.04, (engine, verdict)
-    report = (tmp_path / "greedy" / "report.md").read_text()
-    assert "draft rule greedy" in report and "seeds 0, 1" in report and " ± " in report
-    assert "in vllm: greedy (draft_sample_method greedy)" in report and "llama.cpp's only rule" in report
-
-    # under `sample` llama.cpp, which drafts greedily only, is not judged (its row says why: test_spread.py)
-    sampled = run(EvalConfig(prompts=str(longer), engine="vllm", draft_sampling="sample", **settings),
-                  drafter_dir, tmp_path / "sample", log=print)
-    assert sampled["engines"]["vllm"]["judged"]["agrees"], sampled["engines"]["vllm"]
-    assert "draft_sample_method probabilistic" in (tmp_path / "sample" / "report.md").read_text()
-    rows = json.loads((tmp_path / "sample" / "report.json").read_text())["prompts"]
-    assert sorted({row["seed"] for row in rows}) == [0, 1] and len(rows) == 2 * (len(COPYING) + 1)
-    assert max(row["prompt_tokens"] for row in rows) > 2048
-
-
-EXPAND_PROBE = """
-import torch
-import vllm._C
-from vllm.utils import cpu_triton_utils
-out = torch.full((5,), float("nan"))
-cpu_triton_utils._expand_kernel_impl(out, torch.tensor([0.6, 1.0]), torch.tensor([2, 5], dtype=torch.int32), 0, 1)
-import sys
-ours = getattr(sys.modules.get("sitecustomize"), "expand_in_torch", None)
-fixed = cpu_triton_utils._expand_kernel_impl is ours
-print(out.tolist(), fixed)
-"""
-
-
-@pytest.mark.skipif("vllm" not in INSTALLED, reason="vLLM's CPU build is not installed: run scripts/engines.sh")
-def test_vllms_cpu_sampler_gets_its_temperatures_with_flashdrafts_fix():
-    """vllm#55005: the CPU stand-in for the rejection sampler's expand kernel leaves a float32 output unwritten, so
-    temperatures are uninitialised memory at T > 0. The installed build has the defect (without the fix: NaN stays);
-    with flashdraft/vllm_cpu on PYTHONPATH, as eval starts vLLM, its probe finds it and the expansion is right."""
-    import os
-    import subprocess
-
-    from flashdraft.served import vllm_cpu_fixes_env
-
-    python = str(engine_program("vllm", None))
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    bare = subprocess.run([python, "-c", EXPAND_PROBE], env=env, capture_output=True, text=True, check=True)
-    defective = bare.stdout.split("]")[0].count("nan") == 5  # vLLM 0.32: the defect the collapse comes from
-    fixed = subprocess.run([python, "-c", EXPAND_PROBE], env=env | vllm_cpu_fixes_env(), capture_output=True,
-                           text=True, check=True)
-    # right either way; replaced only where the installed vLLM still has the defect (a fixed vLLM keeps its own)
-    expected = f"[0.6000000238418579, 0.6000000238418579, 1.0, 1.0, 1.0] {defective}"
-    assert fixed.stdout.strip() == expected, (bare.stdout, fixed.stdout)
 
 
 def test_seeds_mean_nothing_to_greedy_decoding():
