@@ -399,13 +399,11 @@ def test_nproc_per_node_starts_the_processes_itself_as_torchrun_would(tiny_targe
         time.sleep(0.2)
     assert left == "", f"processes left running after the launcher was killed: {left}"
 
-    # a dataset whose manifest is there (the preflight passes) but whose bytes changed: each process refuses it
+    # a dataset whose manifest is there (the preflight passes) but one of whose files changed: refused when verified
     changed = tmp_path / "changed-dataset"
     shutil.copytree(tiny_dataset, changed)
-    shard = max((p for p in changed.rglob("*.arrow")), key=lambda p: p.stat().st_size)
-    data = bytearray(shard.read_bytes())
-    data[len(data) // 2] ^= 0xFF
-    shard.write_bytes(bytes(data))
+    info = changed / "dataset_info.json"
+    info.write_text(info.read_text() + " ")
     failed = subprocess.run([sys.executable, "-m", "flashdraft", "train", "--config", str(by_itself), "--data",
                              str(changed), "--out", str(tmp_path / "c")], capture_output=True, text=True, timeout=300)
     assert failed.returncode == 1 and "Traceback" not in failed.stderr, failed.stderr[-3000:]
