@@ -45,6 +45,7 @@ passes the name, the shape and the token echo, and fails this on its first answe
 from __future__ import annotations
 
 import fcntl
+import hashlib
 import json
 import os
 import shutil
@@ -185,13 +186,15 @@ class EngineFeatures:
 
     def __init__(self, endpoints: list[Endpoint], storage: Path, layer_ids: list[int], hidden_size: int,
                  log_path: str, name: str = SERVED_NAME, first: int = 0, judge: Judge | None = None,
-                 log: Callable[[str], None] | None = None) -> None:
+                 log: Callable[[str], None] | None = None, run: str = "") -> None:
         self.endpoints, self.storage, self.log_path = list(endpoints), storage.resolve(), log_path
         self.layer_ids, self.hidden_size, self.name, self.first = list(layer_ids), hidden_size, name, first
         self.judge, self.log = judge, log or (lambda line: None)
-        # every request this process makes is named so: its files in a shared directory are told from other
-        # trainers' (other ranks, other machines), and a restarted process of the same rank removes what it left
-        self.prefix = f"flashdraft-{socket.gethostname()}-r{first}-"
+        # every request this process makes is named so: its files in a shared directory are told from every other
+        # trainer's (other runs, machines, ranks), and this rank of this run, started again, removes what it left.
+        # `run` is the run's output directory, which one process at a time holds locked on this machine.
+        tag = hashlib.sha256(f"{socket.gethostname()}:{run}".encode()).hexdigest()[:12]
+        self.prefix = f"flashdraft-{tag}-r{first}-"
         self.reported: dict[str, str] = {}  # a fleet's servers: the model each says it loaded (its path there)
         self.pool = ThreadPoolExecutor(max_workers=4 * len(self.endpoints), thread_name_prefix="engine-features")
 
@@ -307,12 +310,13 @@ class ServerUnreachable(EngineFailed):
 
 
 def clear_leftovers(storage: Path, prefix: str) -> int:
-    """Files a killed process of this machine and rank left in the shared directory (its requests' states and their
-    locks, named with `prefix`): removed when the same rank starts again, as nothing else writes those names.
-    Regular files only, never through a link; returns how many."""
+    """Files a killed process of this run, machine and rank left in the shared directory (its requests' states and
+    their locks, named with `prefix`): removed when the same rank of the same run starts again, as nothing else
+    writes those names. vLLM names a file `cmpl-<request id>-…`: only such names, regular files, never through a
+    link, never below the directory; returns how many."""
     removed = 0
     for entry in os.scandir(storage):
-        if prefix in entry.name and entry.is_file(follow_symlinks=False):
+        if entry.name.startswith(f"cmpl-{prefix}") and entry.is_file(follow_symlinks=False):
             Path(entry.path).unlink(missing_ok=True)
             removed += 1
     return removed
@@ -341,7 +345,8 @@ def engine_features(cfg: TrainConfig, target_dir: str, layer_ids: list[int], hid
     server of its own, stopped (and its files removed) when the block ends. `judge`: the trainer's own top next
     tokens from a sequence's states, held against every answer's chosen token (`EngineFeatures.one`)."""
     if cfg.engine_urls:
-        source = fleet_features(cfg, target_dir, layer_ids, hidden_size, rank, log, judge)
+        source = fleet_features(cfg, target_dir, layer_ids, hidden_size, rank, log, judge,
+                                run=str(log_path.parent.resolve()))
         try:
             yield source
         finally:
@@ -370,7 +375,7 @@ def engine_features(cfg: TrainConfig, target_dir: str, layer_ids: list[int], hid
 
 
 def fleet_features(cfg: TrainConfig, target_dir: str, layer_ids: list[int], hidden_size: int, rank: int,
-                   log: Callable[[str], None], judge: Judge | None = None) -> EngineFeatures:
+                   log: Callable[[str], None], judge: Judge | None = None, run: str = "") -> EngineFeatures:
     """The fleet's servers, each checked before any work: it serves these layers (by its served name) and one short
     sequence's states arrive in the shared directory, of the shape this run needs, from the target itself (`judge`:
     the server's chosen next token among the trainer's top ones; checked again on every request of the run)."""
@@ -394,7 +399,7 @@ def fleet_features(cfg: TrainConfig, target_dir: str, layer_ids: list[int], hidd
     if len(set(reported.values())) > 1:  # one run, one target: servers that loaded different models are refused
         raise EngineFailed(f"train.engine_urls: the servers loaded different models under {name}: {reported}")
     source = EngineFeatures(endpoints, Path(cfg.engine_storage or ""), layer_ids, hidden_size,
-                            "the fleet servers' own logs", name, first=rank, judge=judge, log=log)
+                            "the fleet servers' own logs", name, first=rank, judge=judge, log=log, run=run)
     source.reported = reported
     if left := clear_leftovers(source.storage, source.prefix):
         log(f"train: removed {left} file(s) a stopped run of this rank left in {source.storage}")
