@@ -50,12 +50,10 @@ def run(
 
     drafter_dir, out = Path(drafter_dir), Path(out)
     drafter = read_drafter_config(drafter_dir)  # read once, checked: what the steps below are handed
-    prompts, rejected, sets = load_prompts(cfg)
     check_engines(cfg, drafter, log)
     target_path = resolve_model(target_ref or cfg.target, log=log)
-    if (single := one_mode_if_the_template_has_none(cfg, target_path, log)) is not cfg:
-        cfg = single
-        prompts, rejected, sets = load_prompts(cfg)
+    cfg = one_mode_if_the_template_has_none(cfg, target_path, log)  # before the prompts are loaded in each mode
+    prompts, rejected, sets = load_prompts(cfg)
     check_engines_hold(cfg, target_path)
     lineage = eval_lineage(cfg, drafter_dir, target_path, prompts)
     # Locked for the run; refused unless it is an eval report (or empty) outside the drafter and the target.
