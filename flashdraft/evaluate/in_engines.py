@@ -12,6 +12,7 @@ from typing import Any
 from flashdraft.config import EvalConfig
 from flashdraft.errors import BadInput, ExpectedFailure
 from flashdraft.evaluate.prepare import Decoding
+from flashdraft.evaluate.report import tau_cell
 from flashdraft.evaluate.spread import add_engine_errors, judged
 from flashdraft.evaluate.turns import seeds_of
 
@@ -79,8 +80,8 @@ def engine_report(cfg: EvalConfig, name: str, prompts: list, render: Callable, t
         log(f"eval: {name} τ {tau:.2f} ({overall['accepted_tokens']} accepted tokens in {overall['drafts']} drafts)")
         return engine
     engine["difference"] = round(tau - report["acceptance_length"], 4)
-    log(f"eval: {name} τ {with_error(overall)} ({overall['accepted_tokens']} accepted tokens in {overall['drafts']} "
-        f"drafts) beside eval's τ {with_error(report)}" + (f": {verdict_words(engine['judged'])}"
+    log(f"eval: {name} τ {tau_cell(overall, 3)} ({overall['accepted_tokens']} accepted tokens in {overall['drafts']} "
+        f"drafts) beside eval's τ {tau_cell(report, 3)}" + (f": {verdict_words(engine['judged'])}"
                                                            if engine.get("judged") else ""))
     return engine
 
@@ -105,15 +106,6 @@ def engine_draft_rule(engine: str, draft_sampling: str) -> str:
     if engine == "llamacpp":
         return "greedy (llama.cpp's only rule)"
     return f"{draft_sampling} (draft_sample_method {'probabilistic' if draft_sampling == 'sample' else 'greedy'})"
-
-
-def with_error(block: dict[str, Any]) -> str:
-    """τ as printed: with its standard error where it was sampled."""
-    if "standard_error" not in block:
-        return f"{block['acceptance_length']:.2f}"
-    se = block["standard_error"]
-    return f"{block['acceptance_length']:.3f} ± {se:.3f}" if se is not None else \
-        f"{block['acceptance_length']:.3f} (one draw: no spread)"
 
 
 def verdict_words(verdict: dict[str, Any]) -> str:

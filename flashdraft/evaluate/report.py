@@ -191,15 +191,16 @@ def seeds_words(spread: dict[str, Any]) -> str:
     return " / ".join(f"{tau:.3f}" for tau in spread["by_seed"].values()) + f" (sd {spread['std']:.3f})"
 
 
-def tau_cell(block: dict[str, Any]) -> str:
-    """τ, with its standard error where it was sampled (a sampled τ is never shown bare: one draw says so)."""
+def tau_cell(block: dict[str, Any], digits: int = 2) -> str:
+    """τ, with its standard error where it was sampled (a sampled τ is never shown bare: one draw says so); the
+    tables' cells, and (3 digits) eval's log lines."""
     tau = block.get("acceptance_length")
     if tau is None:
         return "—"
     if "standard_error" not in block:
-        return f"{tau:.2f}"
+        return f"{tau:.{digits}f}"
     se = block["standard_error"]
-    return f"{tau:.2f} ± {se:.2f}" if se is not None else f"{tau:.2f} ± ? (one draw)"
+    return f"{tau:.{digits}f} ± {se:.{digits}f}" if se is not None else f"{tau:.{digits}f} ± ? (one draw)"
 
 
 def thinking_words(setting) -> str:

@@ -26,9 +26,9 @@ from flashdraft.artifact.manifest import (
 from flashdraft.artifact.ownership import commit_dir, hold_output
 from flashdraft.config import EvalConfig
 from flashdraft.errors import BadInput
-from flashdraft.evaluate.in_engines import measure_engines, with_error
+from flashdraft.evaluate.in_engines import measure_engines
 from flashdraft.evaluate.prepare import prepare_decoding, served_only
-from flashdraft.evaluate.report import markdown_report, plot
+from flashdraft.evaluate.report import markdown_report, plot, tau_cell
 from flashdraft.evaluate.sets import load_eval_sets
 from flashdraft.evaluate.turns import decode_prompts, engine_only_report, eval_report
 from flashdraft.model.drafter_config import DrafterConfig, read_drafter_config
@@ -194,7 +194,7 @@ def say_done(cfg: EvalConfig, out: Path, report: dict, stats: dict, per_prompt: 
         log(f"eval: {len(rejected)} records could not be formatted; reasons in {out / 'rejected.jsonl'}")
     if cfg.engine_only:
         measured = "; ".join(
-            f"{name} τ {with_error(served['overall'])}, {served['tokens_per_s']:g} tokens/s"
+            f"{name} τ {tau_cell(served['overall'], 3)}, {served['tokens_per_s']:g} tokens/s"
             + (f" ({served['speedup']:.2f}× without the drafter)" if served.get("speedup") else "")
             for name, served in report["engines"].items()
             if (served.get("overall") or {}).get("acceptance_length") is not None)
@@ -205,7 +205,7 @@ def say_done(cfg: EvalConfig, out: Path, report: dict, stats: dict, per_prompt: 
                if report["lossless"] is not None else
                f"lossless not checked (sampled at temperature {cfg.temperature}: drafts pass by rejection sampling)")
     log(
-        f"eval: done, verified — {out}: τ {with_error(report)}"
+        f"eval: done, verified — {out}: τ {tau_cell(report, 3)}"
         + (f" ({cfg.draft_sampling} draft rule)" if cfg.temperature > 0 else "")
         + f", speedup {report['speedup']:.2f}× vs "
         f"target-only (per prompt: median {per['median']:.2f}×, 10–90 % {per['p10']:.2f}–{per['p90']:.2f}×), "
