@@ -50,10 +50,11 @@ def run(
 
     drafter_dir, out = Path(drafter_dir), Path(out)
     drafter = read_drafter_config(drafter_dir)  # read once, checked: what the steps below are handed
+    sets = load_sets(cfg)  # read once, before the target: a file with no usable prompt fails in seconds
     check_engines(cfg, drafter, log)
     target_path = resolve_model(target_ref or cfg.target, log=log)
-    cfg = one_mode_if_the_template_has_none(cfg, target_path, log)  # before the prompts are loaded in each mode
-    prompts, rejected, sets = load_prompts(cfg)
+    cfg = one_mode_if_the_template_has_none(cfg, target_path, log)  # before the prompts are put in each mode
+    prompts, rejected = in_each_mode(cfg, sets)
     check_engines_hold(cfg, target_path)
     lineage = eval_lineage(cfg, drafter_dir, target_path, prompts)
     # Locked for the run; refused unless it is an eval report (or empty) outside the drafter and the target.
@@ -105,22 +106,26 @@ def run(
 # ---------------------------------------------------------------------------------------------- the steps
 
 
-def load_prompts(cfg: EvalConfig) -> tuple[list, list[dict], list]:
-    """Every set's prompts in every thinking mode asked for, the records none could be made of (with their set), and
-    the sets; a set with no usable prompt is refused (nothing to measure τ on). With two modes each set is measured
-    twice, as `NAME · thinking on` and `NAME · thinking off`."""
+def load_sets(cfg: EvalConfig) -> list:
+    """Every set named; a set with no usable prompt is refused (nothing to measure τ on)."""
     sets = load_eval_sets(cfg.sources, cfg.max_prompts)
     for each in sets:
         if not each.prompts:
             raise BadInput(f"no usable prompts in {each.name}"
                            + (f" ({len(each.rejected)} rejected: {each.rejected[0].reason})" if each.rejected else "")
                            + ": nothing to measure τ on")
+    return sets
+
+
+def in_each_mode(cfg: EvalConfig, sets: list) -> tuple[list, list[dict]]:
+    """Every set's prompts in every thinking mode asked for, and the records none could be made of (with their set).
+    With two modes each set is measured twice, as `NAME · thinking on` and `NAME · thinking off`."""
     modes = cfg.thinking_modes
     prompts = [replace(prompt, dataset=prompt.dataset if len(modes) == 1 else f"{prompt.dataset} · thinking "
                        f"{'on' if mode else 'off'}", prompt=replace(prompt.prompt, thinking=mode))
                for each in sets for mode in modes for prompt in each.prompts]
     rejected = [{**r.to_json(), "set": each.name} for each in sets for r in each.rejected]
-    return prompts, rejected, sets
+    return prompts, rejected
 
 
 def check_engines(cfg: EvalConfig, drafter: DrafterConfig, log: Callable[[str], None]) -> None:
