@@ -346,7 +346,11 @@ def verify_dir(root: str | Path, deep: bool = True, jobs: int | None = None) -> 
         manifest = read_manifest(root)
     except ManifestError as e:
         return [Problem(MANIFEST, str(e))]
+    return verify_against(root, manifest, deep, jobs)
 
+
+def verify_against(root: Path, manifest: Manifest, deep: bool = True, jobs: int | None = None) -> list[Problem]:
+    """`verify_dir` against a manifest already read (an input's, parsed once at a stage's edge)."""
     problems: list[Problem] = []
     to_hash: list[tuple[FileEntry, Path]] = []
     for entry in manifest.files:

@@ -9,11 +9,14 @@ import hashlib
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TypeVar
 
 import torch
 
 from flashdraft.config import TrainConfig
 from flashdraft.errors import BadTrainingInput, ExpectedFailure
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -87,16 +90,17 @@ def collective_device() -> torch.device:
     return torch.device("cpu")
 
 
-def checked_once_a_node(world: int, check: Callable[[], None]) -> None:
+def once_a_node(world: int, check: Callable[[], T], elsewhere: Callable[[], T]) -> T:
     """Run `check` (re-hashing an input, say) on each node's first process only — the others read the same
-    disk — and let every process know the outcome: the failing one raises its own error, the rest say where
-    to look, so no rank trains on an input another found broken."""
+    disk, and run the cheap `elsewhere` once it passed — and let every process know the outcome: the failing one
+    raises its own error, the rest say where to look, so no rank trains on an input another found broken."""
     if world == 1:
         return check()
-    failure = None
-    if int(os.environ.get("LOCAL_RANK", 0)) == 0:
+    failure, value = None, None
+    first_on_node = int(os.environ.get("LOCAL_RANK", 0)) == 0
+    if first_on_node:
         try:
-            check()
+            value = check()
         except ExpectedFailure as e:
             failure = e
     failed = torch.tensor([int(failure is not None)], device=collective_device())
@@ -106,6 +110,7 @@ def checked_once_a_node(world: int, check: Callable[[], None]) -> None:
     if failed.item():
         raise ExpectedFailure("the input failed its check in the process that checked it for its node (that "
                               "process's error line says why)")
+    return value if first_on_node else elsewhere()
 
 
 def agree(world: int, parts: dict[str, str]) -> None:

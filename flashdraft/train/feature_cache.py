@@ -32,7 +32,7 @@ import numpy as np
 import torch
 
 from flashdraft.artifact.atomic import atomic_write_text
-from flashdraft.artifact.manifest import Lineage, check_done, identity, manifest_digest, sha256_json
+from flashdraft.artifact.manifest import Lineage, check_done, identity, sha256_json
 from flashdraft.artifact.ownership import commit_dir
 from flashdraft.config import TrainConfig
 from flashdraft.model.target import Target
@@ -179,11 +179,11 @@ def _fill(files: dict, batch: list[int], starts: list[int], lengths: list[int], 
             files[TEACHER_LOGPROBS][starts[i] + part.numpy()] = top.values.to("cpu", torch.float16).numpy()
 
 
-def offline_features(cfg: TrainConfig, data: Path, out: Path, target: Target, target_path: str, dataset,
+def offline_features(cfg: TrainConfig, dataset_digest: str, out: Path, target: Target, target_path: str, dataset,
                      place: Placement, console, log) -> FeatureCache:
     """The offline cache under `out/features`: rank 0 builds (or reuses) it, the other ranks then read it."""
     lineage = Lineage(
-        inputs=[manifest_digest(data)],
+        inputs=[dataset_digest],
         config=sha256_json({"target": identity(target_path), "layers": target.layer_ids, "max_length": cfg.max_length,
                             **({"topk": cfg.distill_topk} if cfg.distill_topk else {}),
                             **({"source": "engine"} if cfg.feature_source == "engine" else {}),

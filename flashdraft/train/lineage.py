@@ -1,14 +1,12 @@
 """What a training run is, for its lineage: the dataset, the settings that change what is trained, the target and
 the drafter it starts from by identity — and, on several processes, the same on every one of them, checked.
 
-    lineage = run_lineage(cfg, data, target_path, world)
+    lineage = run_lineage(cfg, dataset.digest, target_path, world)
 """
 
 from __future__ import annotations
 
-from pathlib import Path
-
-from flashdraft.artifact.manifest import Lineage, identity, manifest_digest, sha256_json
+from flashdraft.artifact.manifest import Lineage, identity, sha256_json
 from flashdraft.config import TrainConfig
 from flashdraft.train.distributed import agree
 
@@ -25,12 +23,12 @@ def not_lineage(cfg: TrainConfig) -> set[str]:
     return NOT_LINEAGE | ({"feature_source"} if cfg.feature_source == "transformers" else set())
 
 
-def run_lineage(cfg: TrainConfig, data: Path, target_path: str, world: int) -> Lineage:
+def run_lineage(cfg: TrainConfig, dataset_digest: str, target_path: str, world: int) -> Lineage:
     """The run's lineage; with several processes, first checked to be every process's (`agree`): each node computed
     its own from its own --data, config and target, so what they share is compared, not assumed."""
     target_identity, settings = identity(target_path), cfg.model_dump(exclude=not_lineage(cfg))
     lineage = Lineage(
-        inputs=[manifest_digest(data)],
+        inputs=[dataset_digest],  # the sha256 of the dataset's manifest, read once at train's edge
         config=sha256_json(
             {"train": settings, "world": world, "target": target_identity,
              "init_from": identity(cfg.init_from) if cfg.init_from else None}

@@ -12,14 +12,9 @@ from pathlib import Path
 
 import torch
 
-from flashdraft.artifact.manifest import (
-    MANIFEST,
-    Lineage,
-    check_done,
-    read_manifest,
-    require_verified,
-)
+from flashdraft.artifact.manifest import Lineage, check_done, read_manifest
 from flashdraft.artifact.ownership import adopt, claim_output, mark_output, now_iso, output_lock, refuse_overlap
+from flashdraft.artifact.verified import InputArtifact, open_input
 from flashdraft.config import TrainConfig
 from flashdraft.errors import BadTrainingInput
 from flashdraft.layout import CHECKPOINTS, DRAFTER
@@ -50,8 +45,8 @@ from flashdraft.train.data import (
 from flashdraft.train.distributed import (
     Placement,
     barrier,
-    checked_once_a_node,
     leave,
+    once_a_node,
     place,
     wrap,
 )
@@ -96,12 +91,12 @@ def _run_rank_0(cfg: TrainConfig, data: Path, out: Path, require_checkpoint: boo
 def _run(cfg: TrainConfig, data: Path, out: Path, require_checkpoint: bool, console, log) -> dict:
     where = place(cfg)
     say = log if where.rank == 0 else (lambda s: None)
-    if not (data / MANIFEST).is_file():
-        raise BadTrainingInput(f"{data} is not a verified dataset (no manifest): run `flashdraft tokenize` first")
+    # read once, here: the lineage names these manifest bytes, the re-hash checks against them, the stats come from them
+    dataset = open_input(data, "dataset", "run `flashdraft tokenize` (again), or pull it again")
     from flashdraft.model.resolve import resolve_model
 
     target_path = resolve_model(cfg.target, log=say)
-    lineage = run_lineage(cfg, data, target_path, where.world)
+    lineage = run_lineage(cfg, dataset.digest, target_path, where.world)
     drafter_dir = out / DRAFTER
     decision = check_done(drafter_dir, lineage)
     say(decision.line("train", drafter_dir))
@@ -117,9 +112,7 @@ def _run(cfg: TrainConfig, data: Path, out: Path, require_checkpoint: bool, cons
                                "replace it (and its replacement node would start over). Use another --push-to")
     # The input is re-hashed only when it is about to be used, not on an "already done" rerun.
     # Each node's first process re-hashes the dataset (the others wait): one pass a node, not one a rank.
-    checked_once_a_node(where.world, lambda: require_verified(data, "dataset",
-                                                               "re-run `flashdraft tokenize`, or pull it again"))
-    dataset_manifest = read_manifest(data)
+    dataset = once_a_node(where.world, dataset.verified, dataset.identified)
     resume = latest_checkpoint(out, lineage, say)
     if cfg.push_to:  # the store may hold a newer checkpoint of this run (this machine replaces a dead one)
         first_on_node = int(os.environ.get("LOCAL_RANK", 0)) == 0  # each node pulls onto its own disk
@@ -134,7 +127,7 @@ def _run(cfg: TrainConfig, data: Path, out: Path, require_checkpoint: bool, cons
     if require_checkpoint and resume is None:
         raise BadTrainingInput(f"--resume: {out} has no complete checkpoint of this run to resume from")
 
-    check_tokenizer(dataset_manifest.stats.get("tokenizer_vocab"), target_path)  # before any compute
+    check_tokenizer(dataset.stats.get("tokenizer_vocab"), target_path)  # before any compute
     from transformers import AutoConfig
 
     check_against_target(cfg, AutoConfig.from_pretrained(target_path))  # its config only, not its weights
@@ -146,10 +139,10 @@ def _run(cfg: TrainConfig, data: Path, out: Path, require_checkpoint: bool, cons
 
         say(f"train: feature source {check_engine_features(cfg)}")
     with ExitStack() as running:  # what the run started for itself (the feature engine) stops with it
-        return train_from(cfg, data, out, target_path, where, lineage, resume, running, console, say)
+        return train_from(cfg, dataset, out, target_path, where, lineage, resume, running, console, say)
 
 
-def train_from(cfg: TrainConfig, data: Path, out: Path, target_path: str, where: Placement, lineage: Lineage,
+def train_from(cfg: TrainConfig, data: InputArtifact, out: Path, target_path: str, where: Placement, lineage: Lineage,
                resume: Path | None, running: ExitStack, console, say) -> dict:
     """The run itself, once every input is checked: set up, resume, loop, evaluate, export."""
     drafter_dir = out / DRAFTER
@@ -222,15 +215,16 @@ def whole_drafter(s: Setup) -> DFlashDrafter:
     return whole
 
 
-def setup(cfg: TrainConfig, data: Path, out: Path, target_path: str, where: Placement, console, say,
+def setup(cfg: TrainConfig, data: InputArtifact, out: Path, target_path: str, where: Placement, console, say,
           running: ExitStack | None = None) -> Setup:
     """Everything the loop needs; what the run starts for itself (the feature engine) is entered on `running`."""
     # with the engine as the feature source the target's decoder layers stay there: embedding, norm and head here
     target = Target(target_path, where.target_device, say, cfg.target_dtype, layers=cfg.feature_source != "engine")
     imported = import_drafter(cfg, target.config, say) if cfg.init_from else None
     block_size = imported.block_size if imported is not None else cfg.block_size
-    dataset = load_dataset_checked(data, block_size, target.config.vocab_size, cfg.max_length)
-    counts = token_counts(data, dataset, where.world)
+    dataset = load_dataset_checked(data.root, block_size, target.config.vocab_size, cfg.max_length)
+    counts = token_counts(data.root, dataset, where.world)
+    data.require_unchanged()  # what was loaded (memory-mapped) and counted is what was hashed
     check_token_ids(counts, target.config.vocab_size)
     train_ids, heldout_ids, free = run_split(dataset, cfg)
     dspark = is_dspark(imported) if imported is not None else cfg.architecture == "dspark"
@@ -269,7 +263,7 @@ def setup(cfg: TrainConfig, data: Path, out: Path, target_path: str, where: Plac
     if cfg.features == "offline":
         from flashdraft.train.feature_cache import offline_features
 
-        cache = offline_features(cfg, data, out, target, target_path, dataset, where, console, say)
+        cache = offline_features(cfg, data.digest, out, target, target_path, dataset, where, console, say)
     model = wrap(drafter, cfg, where.world, where.device)
     steps_per_epoch = max(1, len(train_ids) // where.world // cfg.batch_size)
     total_steps = cfg.max_steps or cfg.epochs * steps_per_epoch

@@ -9,6 +9,7 @@ import sys
 import pytest
 import torch
 
+from flashdraft.artifact.verified import open_input
 from flashdraft.train.distributed import place
 from flashdraft.train.loop import optimizer_step, prepare
 from flashdraft.train.stage import setup
@@ -55,7 +56,8 @@ def counted_reads(monkeypatch) -> tuple[list, list]:
 ], ids=["dflash", "dpace-target-labels-draft-vocab", "dflash2-muon", "offline-distill-draft-vocab"])
 def test_an_optimizer_step_reads_from_the_device_once(tiny_target, tiny_dataset, tmp_path, monkeypatch, settings):
     cfg = tiny_cfg(tiny_target, batch_size=4, **settings)
-    s = setup(cfg, tiny_dataset, tmp_path, tiny_target, place(cfg), None, quiet)
+    dataset = open_input(tiny_dataset, "dataset", "rebuild it").verified()
+    s = setup(cfg, dataset, tmp_path, tiny_target, place(cfg), None, quiet)
     steps = [prepare(cfg, s, s.train_ids[i : i + 4], 0) for i in (0, 4)]  # host work, as on the prefetch thread
     before = [p.detach().clone() for p in s.drafter.parameters()]
     reads, blocking_moves = counted_reads(monkeypatch)

@@ -1,0 +1,91 @@
+"""An input read once at a stage's edge: the manifest parsed once, checked against, and the files loaded the ones
+hashed (flashdraft/artifact/verified.py)."""
+
+import hashlib
+import os
+from pathlib import Path
+
+import pytest
+
+from flashdraft.artifact.manifest import MANIFEST, NotVerified, build_manifest, write_manifest
+from flashdraft.artifact.verified import open_input
+from flashdraft.errors import BadInput
+
+
+@pytest.fixture
+def dataset(tmp_path: Path) -> Path:
+    root = tmp_path / "ds"
+    root.mkdir()
+    (root / "data-00000.arrow").write_bytes(os.urandom(50_000))
+    (root / "state.json").write_text('{"x": 1}\n')
+    write_manifest(root, build_manifest(root, kind="dataset", stats={"tokenizer_vocab": "abc"}))
+    return root
+
+
+def recommit_with(root: Path, name: str, data: bytes) -> None:
+    """What another process does to a dataset: a file rewritten and a manifest that lists it, both committed."""
+    (root / name).write_bytes(data)
+    write_manifest(root, build_manifest(root, kind="dataset", stats={"tokenizer_vocab": "other"}))
+
+
+def test_the_digest_and_the_stats_are_of_the_manifest_bytes_read_once(dataset):
+    opened = open_input(dataset, "dataset", "rebuild it")
+    assert opened.digest == hashlib.sha256((dataset / MANIFEST).read_bytes()).hexdigest()
+    recommit_with(dataset, "state.json", b'{"x": 2}\n')  # after the lineage was computed from the first manifest
+    assert opened.stats == {"tokenizer_vocab": "abc"}  # not read again
+    with pytest.raises(NotVerified, match="state.json: content differs"):  # checked against what the lineage names
+        opened.verified()
+    open_input(dataset, "dataset", "rebuild it").verified()  # the new dataset, opened anew, verifies
+
+
+def test_a_file_replaced_after_its_hash_is_refused_once_loaded(dataset):
+    verified = open_input(dataset, "dataset", "run `flashdraft tokenize` again").verified()
+    verified.require_unchanged()  # nothing changed: passes
+    replacement = dataset / "replacement"
+    replacement.write_bytes((dataset / "data-00000.arrow").read_bytes())  # the same bytes, another file
+    replacement.rename(dataset / "data-00000.arrow")
+    with pytest.raises(NotVerified, match=r"data-00000.arrow was replaced or rewritten.*tokenize` again"):
+        verified.require_unchanged()
+
+
+def test_a_file_rewritten_in_place_after_its_hash_is_refused_once_loaded(dataset):
+    verified = open_input(dataset, "dataset", "rebuild it").verified()
+    path = dataset / "state.json"
+    with open(path, "r+b") as f:  # same inode, same size, other bytes
+        f.write(b'{"x": 9}\n')
+    os.utime(path, ns=(path.stat().st_atime_ns, path.stat().st_mtime_ns + 1_000_000))  # a coarse clock's tick
+    with pytest.raises(NotVerified, match="state.json was replaced or rewritten"):
+        verified.require_unchanged()
+
+
+def test_no_manifest_or_a_broken_one_is_one_line_naming_the_dataset(tmp_path, dataset):
+    with pytest.raises(BadInput, match=r"is not a verified dataset \(no manifest\): run it"):
+        open_input(tmp_path / "nothing", "dataset", "run it")
+    (dataset / MANIFEST).write_text("{not json")
+    with pytest.raises(BadInput, match=r"dataset .*ds: manifest unparsable"):
+        open_input(dataset, "dataset", "run it")
+
+
+def test_training_refuses_a_dataset_file_replaced_while_it_loads(tiny_target, tiny_dataset, tmp_path, monkeypatch):
+    """The setup training runs: a writer that swaps a shard between the re-hash and the load is caught."""
+    import shutil
+
+    import flashdraft.train.stage as stage
+    from flashdraft.train.distributed import place
+    from tests.train.test_train import quiet, tiny_cfg
+
+    data = tmp_path / "ds"
+    shutil.copytree(tiny_dataset, data)
+    verified = open_input(data, "dataset", "rebuild it").verified()
+    shard = next(data.glob("*.arrow"))
+    loading = stage.load_dataset_checked
+
+    def swapped_while_loading(*args, **kwargs):
+        (data / "swap").write_bytes(shard.read_bytes())
+        (data / "swap").rename(shard)
+        return loading(*args, **kwargs)
+
+    monkeypatch.setattr(stage, "load_dataset_checked", swapped_while_loading)
+    cfg = tiny_cfg(tiny_target, batch_size=4)
+    with pytest.raises(NotVerified, match=f"{shard.name} was replaced or rewritten"):
+        stage.setup(cfg, verified, tmp_path / "out", tiny_target, place(cfg), None, quiet)
