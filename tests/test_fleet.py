@@ -42,6 +42,20 @@ STEPS = 24
 pytestmark = pytest.mark.slow
 
 
+def children(pid: int) -> list[int]:
+    return [int(child) for task in os.listdir(f"/proc/{pid}/task")
+            for child in Path(f"/proc/{pid}/task/{task}/children").read_text().split()]
+
+
+def alive(pid: int) -> bool:
+    """Running, not a zombie waiting to be reaped (an orphan's new parent reaps it)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -145,8 +159,16 @@ def test_a_fleet_of_machines_runs_the_pipeline_through_the_store(tmp_path, s3env
     while len([k for k in in_store("train/checkpoints/") if k.endswith("manifest.json")]) < 2:
         assert proc.poll() is None and time.time() < deadline, f"training ended before two pushes\n{fleet.story()}"
         time.sleep(0.05)
+    workers = children(proc.pid)  # torchrun starts each in a session of its own: the group kill misses them
+    assert len(workers) == 2, workers
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
+    # with their launcher gone they end (train/launch.py die_with_launcher): an orphan would train on and push
+    # checkpoints beside the replacement node's
+    deadline = time.time() + 30
+    while any(alive(pid) for pid in workers):
+        assert time.time() < deadline, f"torchrun's processes outlived it: {workers}"
+        time.sleep(0.1)
     pushed = sorted({k.split("/")[2] for k in in_store("train/checkpoints/") if k.endswith("manifest.json")})
     fleet.note("train-node", f"torchrun train --push-to (SIGKILLed; store has {', '.join(pushed)})", began, "killed")
     assert not in_store("train/drafter/")

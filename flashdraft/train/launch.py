@@ -69,12 +69,18 @@ def waiting_for_the_launchers_stop():
 
 
 def die_with_launcher() -> None:
-    """A process flashdraft's own launcher started ends when that launcher dies, even by SIGKILL (which runs no
-    cleanup of the launcher's): the kernel sends it SIGTERM (guard.py). Under torchrun, torchrun's rules apply."""
+    """A training process ends when its launcher dies, even by SIGKILL (which runs no cleanup of the launcher's): the
+    kernel sends it SIGTERM (guard.py). flashdraft's own launcher names itself; torchrun is the parent. torchrun starts
+    each process in its own session, so a SIGKILLed torchrun (a scheduler's kill, the OOM killer) left them training
+    on, and pushing checkpoints to the store beside the node that replaced it."""
     from flashdraft.guard import die_with_parent
 
-    if under_a_launcher() and os.environ.get(LAUNCHER_PID, "").isdigit():
+    if not under_a_launcher():
+        return
+    if os.environ.get(LAUNCHER_PID, "").isdigit():
         die_with_parent(int(os.environ[LAUNCHER_PID]))
+    elif "TORCHELASTIC_RUN_ID" in os.environ:  # torchrun's: its agent started this process
+        die_with_parent(os.getppid())
 
 
 WAITING_LINE_EVERY_S = 10.0

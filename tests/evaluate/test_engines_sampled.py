@@ -45,16 +45,17 @@ def test_at_temperature_one_the_engines_agree_with_eval_under_its_draft_rule(tmp
     default; the engines' own) vLLM and llama.cpp each agree with eval; under `sample` vLLM, started with
     draft_sample_method probabilistic, agrees. Eval's τ is far
     enough above 1 that an engine accepting nothing (vLLM's CPU build without the fix for vllm#55005) would not
-    agree. One prompt is past vLLM's 2,048-token step: split over two prefill steps, a seeded request crashed its
-    CPU build ("CPU Generator does not use offset"), so flashdraft asks for a step as long as the context."""
+    agree. One prompt, served in the engine alone, is past vLLM's 2,048-token step: split over two prefill steps, a
+    seeded request crashed its CPU build ("CPU Generator does not use offset"), so flashdraft asks for a step as long
+    as the context."""
     from flashdraft.config import EvalConfig
     from flashdraft.evaluate import run
     from flashdraft.evaluate.spread import judged
 
     drafter_dir, prompts = copying_export
+    long_prompt = "Summarize: " + "The river runs to the sea. " * 330
     longer = tmp_path / "longer.jsonl"
-    longer.write_text(prompts.read_text() + json.dumps({"prompt": "Summarize: " + "The river runs to the sea. " * 330})
-                      + "\n")
+    longer.write_text(json.dumps({"prompt": long_prompt}) + "\n")
     settings = dict(target=smollm2_dir, max_new_tokens=24, engine_baseline=False, temperature=1.0, seeds=2)
     greedy = run(EvalConfig(prompts=str(prompts), engine=["vllm", "llamacpp"], **settings), drafter_dir,
                  tmp_path / "greedy", log=print)
@@ -68,13 +69,26 @@ def test_at_temperature_one_the_engines_agree_with_eval_under_its_draft_rule(tmp
     assert "in vllm: greedy (draft_sample_method greedy)" in report and "llama.cpp's only rule" in report
 
     # under `sample` llama.cpp, which drafts greedily only, is not judged (its row says why: test_spread.py)
-    sampled = run(EvalConfig(prompts=str(longer), engine="vllm", draft_sampling="sample", **settings),
+    sampled = run(EvalConfig(prompts=str(prompts), engine="vllm", draft_sampling="sample", **settings),
                   drafter_dir, tmp_path / "sample", log=print)
     assert sampled["engines"]["vllm"]["judged"]["agrees"], sampled["engines"]["vllm"]
     assert "draft_sample_method probabilistic" in (tmp_path / "sample" / "report.md").read_text()
     rows = json.loads((tmp_path / "sample" / "report.json").read_text())["prompts"]
-    assert sorted({row["seed"] for row in rows}) == [0, 1] and len(rows) == 2 * (len(COPYING) + 1)
-    assert max(row["prompt_tokens"] for row in rows) > 2048
+    assert sorted({row["seed"] for row in rows}) == [0, 1] and len(rows) == 2 * len(COPYING)
+
+    # the long prompt in the engine alone (eval.engine_only): its seeded requests served whole, once each seed (eval's
+    # own decoding of 2,400 tokens twice would add a minute and prove nothing about vLLM)
+    alone = run(EvalConfig(prompts=str(longer), engine="vllm", draft_sampling="sample", engine_only=True,
+                           **settings), drafter_dir, tmp_path / "long", log=print)
+    served = json.loads((tmp_path / "long" / "report.json").read_text())["engines"]["vllm"]["prompts"]
+    assert alone["engine_only"] is True and sorted(row["seed"] for row in served) == [0, 1], served
+    assert all(row["drafts"] > 0 and len(row["answers"][0]) > 0 for row in served), served
+    from transformers import AutoTokenizer
+
+    chat = [{"role": "user", "content": long_prompt}]
+    ids = AutoTokenizer.from_pretrained(smollm2_dir).apply_chat_template(chat, add_generation_prompt=True,
+                                                                         return_dict=True)["input_ids"]
+    assert len(ids) > 2048  # past vLLM's 2,048-token step
 
 
 EXPAND_PROBE = """
