@@ -94,18 +94,19 @@ class InputArtifact:
         return next((path for path, was in identities.items() if now.get(path) != was), None)
 
 
-def open_input(root: str | Path, what: str, remedy: str) -> InputArtifact:
-    """The artifact at `root` as a stage's input: its manifest read once and parsed, or one line saying why not.
-    Nothing is hashed yet (an "already done" rerun never hashes its input): `verified()` does that."""
+def open_input(root: str | Path, what: str, remedy: str, error: type[BadInput] = BadInput) -> InputArtifact:
+    """The artifact at `root` as a stage's input: its manifest read once and parsed, or one line (`error`, the stage's
+    own kind of refusal) saying why not. Nothing is hashed yet (an "already done" rerun never hashes its input):
+    `verified()` does that."""
     root = Path(root)
     try:
         raw = (root / MANIFEST).read_bytes()
     except FileNotFoundError:
-        raise BadInput(f"{root} is not a verified {what} (no manifest): {remedy}") from None
+        raise error(f"{root} is not a verified {what} (no manifest): {remedy}") from None
     except OSError as e:
-        raise BadInput(f"{what} {root}: its manifest cannot be read ({e.strerror})") from None
+        raise error(f"{what} {root}: its manifest cannot be read ({e.strerror})") from None
     try:
         manifest = parse_manifest(raw)
     except ManifestError as e:
-        raise BadInput(f"{what} {root}: manifest {e}: {remedy}") from None
+        raise error(f"{what} {root}: manifest {e}: {remedy}") from None
     return InputArtifact(root, what, remedy, manifest, hashlib.sha256(raw).hexdigest())

@@ -92,7 +92,7 @@ def _run(cfg: TrainConfig, data: Path, out: Path, require_checkpoint: bool, cons
     where = place(cfg)
     say = log if where.rank == 0 else (lambda s: None)
     # read once, here: the lineage names these manifest bytes, the re-hash checks against them, the stats come from them
-    dataset = open_input(data, "dataset", "run `flashdraft tokenize` (again), or pull it again")
+    dataset = open_input(data, "dataset", "run `flashdraft tokenize` (again), or pull it again", BadTrainingInput)
     from flashdraft.model.resolve import resolve_model
 
     target_path = resolve_model(cfg.target, log=say)
