@@ -37,7 +37,7 @@ def dspark_drafter(target) -> DSparkDrafter:
     cfg = TrainConfig(architecture="dspark", block_size=K, max_anchors=32, max_length=4096, markov_rank=16)
     ids, mask = continuation_sample(target)
     optimizer = torch.optim.AdamW(drafter.parameters(), lr=5e-3)
-    for step in range(90):
+    for step in range(50):
         sequence_step(drafter, target, ids, mask, cfg, torch.Generator().manual_seed(step), "cpu")["loss"].backward()
         optimizer.step()
         optimizer.zero_grad()

@@ -73,7 +73,7 @@ def overfit(drafter: DFlashDrafter, target: Target, ids, mask, steps: int) -> di
 def overfit_drafter(target) -> DFlashDrafter:
     """A drafter that learned the target's own greedy continuation of PROMPT."""
     drafter = new_drafter(target)
-    overfit(drafter, target, *continuation_sample(target), steps=200)
+    overfit(drafter, target, *continuation_sample(target), steps=100)
     return drafter
 
 
