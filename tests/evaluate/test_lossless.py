@@ -93,7 +93,9 @@ def test_bfloat16_eval_of_smollm2_is_lossless_and_a_decoding_bug_is_not(tmp_path
     torch.manual_seed(0)
     drafter = DFlashDrafter(draft_config(smol.config, num_layers=1, block_size=4, mask_token_id=0))
     save_drafter(drafter, tmp_path / "drafter", dtype="bfloat16", target_lm_head=smol.lm_head.weight)
-    cfg = EvalConfig(prompts="builtin:chat-heldout", max_prompts=6, max_new_tokens=32, target=smollm2_dir,
+    # the bug corrupts the cache at the first rejected draft, so 3 prompts show it; the faithful decoder gets 6
+    prompts = 3 if broken else 6
+    cfg = EvalConfig(prompts="builtin:chat-heldout", max_prompts=prompts, max_new_tokens=32, target=smollm2_dir,
                      target_dtype="bfloat16")
     lines = []
     stats = run(cfg, tmp_path / "drafter", tmp_path / "eval", log=lines.append)
@@ -104,9 +106,9 @@ def test_bfloat16_eval_of_smollm2_is_lossless_and_a_decoding_bug_is_not(tmp_path
         assert stats["lossless"] is False and any(not d["near_tie"] for d in diverged)
         assert min(max(d["ulps_behind_top"]) for d in diverged if not d["near_tie"]) > cfg.near_tie_ulps
         failed = sum(not d["near_tie"] for d in diverged)
-        assert f"{failed} of 6 differ beyond one: see `divergence` in report.json" in lines[-1]
+        assert f"{failed} of {prompts} differ beyond one: see `divergence` in report.json" in lines[-1]
     else:
         assert stats["lossless"] is True and all(d["near_tie"] for d in diverged)
         assert stats["near_ties"] == len(diverged)
         if diverged:  # how often rounding flips a near-tie depends on the CPU's bfloat16 kernels
-            assert f"{len(diverged)} of 6 prompts diverge at a near-tie" in lines[-1]
+            assert f"{len(diverged)} of {prompts} prompts diverge at a near-tie" in lines[-1]
