@@ -18,9 +18,10 @@ FILE_SECONDS = Path(__file__).parent / "file_seconds.json"  # measured: scripts/
 
 
 def pytest_collection_modifyitems(config, items):
-    """The longest files first. The workers take whole files in collection order (--dist loadfile); in alphabetical
-    order the fleet test started 29 minutes into a 31-minute run and ran on alone at the end. A file not measured
-    yet counts as long: a new slow file never lands last."""
+    """The longest files first. The workers take whole files in collection order (--dist loadfile, and
+    --no-loadscope-reorder: by default xdist puts the files with the most tests first, so the slowest files, which
+    hold one or two tests each, came last, and the fleet test started 29 minutes into a 31-minute run). A file not
+    measured yet counts as long: a new slow file never lands last."""
     seconds = json.loads(FILE_SECONDS.read_text())
     items.sort(key=lambda item: -seconds.get(item.nodeid.split("::")[0], float("inf")))  # stable: a file's order kept
 
