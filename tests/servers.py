@@ -268,3 +268,21 @@ class TcpForwarder:
             except OSError:
                 pass
             sock.close()
+
+
+# ---------------------------------------------------------------------------------------------- processes
+
+
+def alive(pid: int) -> bool:
+    """Running, not a zombie waiting to be reaped (an orphan's new parent reaps it)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def children(pid: int) -> list[int]:
+    """The processes `pid` started (read from /proc)."""
+    return [int(child) for task in os.listdir(f"/proc/{pid}/task")
+            for child in Path(f"/proc/{pid}/task/{task}/children").read_text().split()]

@@ -21,6 +21,7 @@ import pytest
 from flashdraft.evaluate.engine_commands import check_engine
 from flashdraft.evaluate.engines import Counters, EngineAnswerInvalid, checked, parse_metrics
 from flashdraft.served import Endpoint, NotTheEngine, healthy
+from tests.servers import alive
 
 STANDIN = Path(__file__).parent / "assets" / "standin_engine.py"
 
@@ -240,14 +241,6 @@ def test_the_engines_socket_answers_only_for_the_engines_process_group(tmp_path)
 
 
 # ---------------------------------------------------------------------------------------------- what is left behind
-
-
-def alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
 
 
 @pytest.mark.parametrize("stop", [signal.SIGTERM, signal.SIGKILL])

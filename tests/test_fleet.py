@@ -32,7 +32,7 @@ import torch
 import yaml
 from safetensors.torch import load_file
 
-from tests.servers import transformers_serve
+from tests.servers import alive, children, transformers_serve
 
 # Checkpoints every 2 steps, the store keeps the last 2: "two pushes seen" holds from step 4 on, so the run must be
 # long enough that the kill lands mid-run even when this process polls slowly on a loaded machine (at 12 steps a
@@ -40,20 +40,6 @@ from tests.servers import transformers_serve
 STEPS = 24
 
 pytestmark = pytest.mark.slow
-
-
-def children(pid: int) -> list[int]:
-    return [int(child) for task in os.listdir(f"/proc/{pid}/task")
-            for child in Path(f"/proc/{pid}/task/{task}/children").read_text().split()]
-
-
-def alive(pid: int) -> bool:
-    """Running, not a zombie waiting to be reaped (an orphan's new parent reaps it)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
 
 
 def free_port() -> int:
