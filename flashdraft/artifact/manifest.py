@@ -393,11 +393,15 @@ class NotVerified(ExpectedFailure):
 def require_verified(root: str | Path, what: str, remedy: str) -> Manifest:
     """A stage's input as it is now: its manifest if every file verifies (re-hashed), else NotVerified naming
     the first file that does not and saying what to do."""
-    problems = verify_dir(root)
-    if problems:
-        more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
-        raise NotVerified(f"{what} {root} does not verify: {problems[0]}{more}; {remedy}")
+    if problems := verify_dir(root):
+        raise not_verified(what, root, problems, remedy)
     return read_manifest(root)
+
+
+def not_verified(what: str, root: str | Path, problems: list[Problem], remedy: str) -> NotVerified:
+    """The one line for an input that does not verify: the first problem, how many more, what to do."""
+    more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
+    return NotVerified(f"{what} {root} does not verify: {problems[0]}{more}; {remedy}")
 
 
 # ---------------------------------------------------------------------------------------------- skip logic

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import os
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from flashdraft.artifact.manifest import (
@@ -24,6 +24,7 @@ from flashdraft.artifact.manifest import (
     ManifestError,
     NotVerified,
     Problem,
+    not_verified,
     parse_manifest,
     verify_against,
 )
@@ -40,14 +41,14 @@ def file_identity(path: Path) -> tuple[int, int, int, int]:
 @dataclass(frozen=True)
 class InputArtifact:
     """A committed artifact a stage reads: its directory, its manifest (parsed once) and the sha256 of the manifest's
-    bytes (what a lineage records as the input). `identities` is filled by `verified()`: each file as it was hashed."""
+    bytes (what a lineage records as the input). `identities` is set by `verified()`: each file as it was hashed."""
 
     root: Path
     what: str  # how errors name it: "dataset", "drafter"
     remedy: str  # what to do when it does not verify
     manifest: Manifest
     digest: str
-    identities: dict[str, tuple[int, int, int, int]] = field(default_factory=dict)
+    identities: dict[str, tuple[int, int, int, int]] | None = None
 
     @property
     def stats(self) -> dict:
@@ -62,8 +63,7 @@ class InputArtifact:
         if not problems and (changed := self.changed_since(before)):
             problems = [Problem(changed, "changed while it was being hashed")]
         if problems:
-            more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
-            raise NotVerified(f"{self.what} {self.root} does not verify: {problems[0]}{more}; {self.remedy}")
+            raise not_verified(self.what, self.root, problems, self.remedy)
         return replace(self, identities=before)
 
     def identified(self) -> InputArtifact:
@@ -74,7 +74,7 @@ class InputArtifact:
     def require_unchanged(self) -> None:
         """After loading: every file is still the one hashed; one replaced or rewritten since is refused in one line
         (what was loaded may be neither the checked bytes nor the new ones)."""
-        if not self.identities:
+        if self.identities is None:
             raise RuntimeError(f"{self.what} {self.root}: require_unchanged before verified()")  # a bug, not input
         if changed := self.changed_since(self.identities):
             raise NotVerified(f"{self.what} {self.root} changed after it was verified ({changed} was replaced or "
