@@ -387,7 +387,10 @@ def content_problems(root: Path, entries: list[FileEntry], jobs: int | None = No
 
 
 class NotVerified(ExpectedFailure):
-    """An input artifact whose files no longer match its manifest: a stage refuses to use it."""
+    """An input artifact whose files no longer match its manifest: a stage refuses to use it. `problems`: what
+    did not match (the first is in the message), for a caller that passes over the artifact instead."""
+
+    problems: list[Problem] = []
 
 
 def require_verified(root: str | Path, what: str, remedy: str) -> Manifest:
@@ -401,7 +404,9 @@ def require_verified(root: str | Path, what: str, remedy: str) -> Manifest:
 def not_verified(what: str, root: str | Path, problems: list[Problem], remedy: str) -> NotVerified:
     """The one line for an input that does not verify: the first problem, how many more, what to do."""
     more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
-    return NotVerified(f"{what} {root} does not verify: {problems[0]}{more}; {remedy}")
+    error = NotVerified(f"{what} {root} does not verify: {problems[0]}{more}; {remedy}")
+    error.problems = problems
+    return error
 
 
 # ---------------------------------------------------------------------------------------------- skip logic

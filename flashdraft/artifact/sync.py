@@ -462,9 +462,12 @@ def pull(
     delete: bool = False,
     jobs: int = 8,
     console: Console | None = None,
+    remote: tuple[Manifest, bytes] | None = None,
 ) -> SyncResult:
+    """The artifact at `store` into `dst`, every file hashed as it lands. `remote`: its manifest as the caller
+    already read it (remote_manifest), so that what it checked is what is pulled (not a second read)."""
     dst = Path(dst)
-    manifest, raw = remote_manifest(store)
+    manifest, raw = remote or remote_manifest(store)
     refuse_unsafe_paths(manifest, dst)
     refuse_overlap(dst, [getattr(store, "root", None)])
     with output_lock(dst):
@@ -516,10 +519,12 @@ def _pull_into(store, dst: Path, manifest: Manifest, raw: bytes, earlier: set[st
 # ---------------------------------------------------------------------------------------------- verify
 
 
-def verify_store(store, *, deep: bool = False, jobs: int = 8) -> list[Problem]:
-    """Check an artifact where it lives: manifest readable, safe paths, list + checksums (or re-hash)."""
+def verify_store(store, *, deep: bool = False, jobs: int = 8, remote: tuple[Manifest, bytes] | None = None,
+                 ) -> list[Problem]:
+    """Check an artifact where it lives: manifest readable, safe paths, list + checksums (or re-hash). `remote`:
+    its manifest as the caller already read it (the objects are checked against that one)."""
     try:
-        manifest, _ = remote_manifest(store)
+        manifest, _ = remote or remote_manifest(store)
     except StoreError as e:
         return [Problem(MANIFEST, str(e))]
     problems = [

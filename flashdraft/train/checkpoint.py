@@ -28,10 +28,11 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file
 
 from flashdraft.artifact.atomic import atomic_write_text, write_safetensors
-from flashdraft.artifact.manifest import MANIFEST, Lineage, ManifestError, read_manifest, verify_dir
+from flashdraft.artifact.manifest import MANIFEST, Lineage, ManifestError, NotVerified, read_manifest
 from flashdraft.artifact.ownership import commit_dir, remove_artifact
+from flashdraft.artifact.verified import InputArtifact, open_input
 from flashdraft.config import TrainConfig
-from flashdraft.errors import BadTrainingInput, ExpectedFailure
+from flashdraft.errors import BadInput, BadTrainingInput, ExpectedFailure
 from flashdraft.layout import CHECKPOINTS, DRAFTER, join
 
 
@@ -279,39 +280,54 @@ class CheckpointShipper:
         self.prune_local()
 
 
-def latest_checkpoint(out: Path, lineage: Lineage, log: Callable[[str], None]) -> Path | None:
+RESUME_REMEDY = "delete that checkpoint to start over"
+
+
+def latest_checkpoint(out: Path, lineage: Lineage, log: Callable[[str], None]) -> InputArtifact | None:
+    """The newest local checkpoint of this run that verifies, opened once (InputArtifact): its manifest parsed once,
+    its files hashed against it, so what resume loads can be held to the bytes checked (`require_unchanged`)."""
     for path in checkpoint_dirs(out):
-        problems = verify_dir(path)
-        if problems:
-            log(f"train: ignoring incomplete checkpoint {path.name} ({problems[0]})")
+        try:
+            checkpoint = open_input(path, "checkpoint", RESUME_REMEDY).verified()
+        except BadInput as e:  # no manifest (killed before its commit) or one that does not parse
+            log(f"train: ignoring incomplete checkpoint {path.name} ({e})")
             continue
-        if not read_manifest(path).lineage.same_work(lineage):
+        except NotVerified as e:
+            log(f"train: ignoring incomplete checkpoint {path.name} ({e.problems[0]})")
+            continue
+        if not checkpoint.manifest.lineage.same_work(lineage):
             log(f"train: ignoring checkpoint {path.name} (made from other data or settings)")
             continue
-        return path
+        return checkpoint
     return None
 
 
-def pull_newer_checkpoint(out: Path, push_to: str, lineage: Lineage, local: Path | None,
+def pull_newer_checkpoint(out: Path, push_to: str, lineage: Lineage, local: InputArtifact | None,
                           log: Callable[[str], None]) -> Path | None:
     """The newest checkpoint of this run that verifies in the store, pulled into `out` when it is newer than the
-    newest local one: a replacement machine with an empty disk continues where the last push left off."""
-    from flashdraft.artifact.store import open_store
+    newest local one: a replacement machine with an empty disk continues where the last push left off. Each
+    candidate's manifest is read from the store once: its lineage, the store's check and the pull all use it."""
+    from flashdraft.artifact.store import StoreError, open_store
     from flashdraft.artifact.sync import pull, remote_manifest, verify_store
 
     listed = open_store(join(push_to, CHECKPOINTS)).list()
     names = sorted({key.split("/", 1)[0] for key in listed if key.endswith(f"/{MANIFEST}")}, reverse=True)
     for name in names:
-        if local is not None and name <= local.name:
+        if local is not None and name <= local.root.name:
             return None  # the local disk has this one or a newer one
         store = open_store(join(push_to, f"{CHECKPOINTS}/{name}"))
-        if not remote_manifest(store)[0].lineage.same_work(lineage):
+        try:
+            remote = remote_manifest(store)
+        except StoreError as e:  # deleted since it was listed (pruned), or not a manifest
+            log(f"train: ignoring {store.url} ({e})")
+            continue
+        if not remote[0].lineage.same_work(lineage):
             log(f"train: ignoring {store.url} (made from other data or settings)")
             continue
-        if problems := verify_store(store):
+        if problems := verify_store(store, remote=remote):
             log(f"train: ignoring {store.url} ({problems[0]})")
             continue
-        log(pull(store, out / CHECKPOINTS / name, delete=True).line())
+        log(pull(store, out / CHECKPOINTS / name, delete=True, remote=remote).line())
         return out / CHECKPOINTS / name
     return None
 

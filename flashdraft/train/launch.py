@@ -235,7 +235,7 @@ def run_launched(cfg, data, out, require_checkpoint: bool, log) -> dict:
 
 def drafter_in_store(cfg, log) -> dict:
     """On a node other than node 0: the drafter node 0 exported, verified in the store it was pushed to."""
-    from flashdraft.artifact.store import open_store
+    from flashdraft.artifact.store import StoreError, open_store
     from flashdraft.artifact.sync import remote_manifest, verify_store
     from flashdraft.layout import DRAFTER, join
 
@@ -245,8 +245,13 @@ def drafter_in_store(cfg, log) -> dict:
         return {}
     where = join(cfg.push_to, DRAFTER)
     store = open_store(where)
-    if problems := verify_store(store):
+    try:
+        remote = remote_manifest(store)  # read once: checked, and its stats returned
+    except StoreError as e:
+        raise TrainProcessFailed(f"train: node {cfg.node_rank} is done, but the drafter at {where} does not verify: "
+                                 f"{e}") from None
+    if problems := verify_store(store, remote=remote):
         raise TrainProcessFailed(f"train: node {cfg.node_rank} is done, but the drafter at {where} does not verify: "
                                  f"{problems[0]}")
     log(f"train: done, verified — {where} (node 0's export, checked from node {cfg.node_rank})")
-    return remote_manifest(store)[0].stats
+    return remote[0].stats

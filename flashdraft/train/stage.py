@@ -143,14 +143,15 @@ def _run(cfg: TrainConfig, data: Path, out: Path, require_checkpoint: bool, cons
 
 
 def train_from(cfg: TrainConfig, data: InputArtifact, out: Path, target_path: str, where: Placement, lineage: Lineage,
-               resume: Path | None, running: ExitStack, console, say) -> dict:
+               resume: InputArtifact | None, running: ExitStack, console, say) -> dict:
     """The run itself, once every input is checked: set up, resume, loop, evaluate, export."""
     drafter_dir = out / DRAFTER
     s = setup(cfg, data, out, target_path, where, console, say, running)
     position = {"step": 0, "epoch": 0, "batch": 0}
     if resume is not None:
-        position = load_checkpoint(resume, s.model, s.optimizers)
-        say(f"train: resuming from {resume.name} (step {position['step']}, epoch {position['epoch']})")
+        position = load_checkpoint(resume.root, s.model, s.optimizers)
+        resume.require_unchanged()  # what was loaded is the checkpoint that verified
+        say(f"train: resuming from {resume.root.name} (step {position['step']}, epoch {position['epoch']})")
     if where.rank == 0:
         truncate_metrics(out / "metrics.jsonl", position["step"])
         # What `flashdraft status` reads of a run in progress: its length, and where this start began.

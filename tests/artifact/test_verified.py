@@ -89,3 +89,49 @@ def test_training_refuses_a_dataset_file_replaced_while_it_loads(tiny_target, ti
     cfg = tiny_cfg(tiny_target, batch_size=4)
     with pytest.raises(NotVerified, match=f"{shard.name} was replaced or rewritten"):
         stage.setup(cfg, verified, tmp_path / "out", tiny_target, place(cfg), None, quiet)
+
+
+def test_resume_refuses_a_checkpoint_file_replaced_while_it_loads(tiny_target, tiny_dataset, tmp_path, monkeypatch):
+    """The checkpoint train resumes from is opened once as the dataset is: verified, loaded, then held to the files
+    hashed. A writer that swaps its weights between the check and the load is caught, not trained on."""
+    import shutil
+
+    import flashdraft.train.stage as stage
+    from tests.train.test_train import quiet, tiny_cfg
+
+    out = tmp_path / "out"
+    stage.run(tiny_cfg(tiny_target, max_steps=4), tiny_dataset, out, log=quiet)
+    for killed in (out / "drafter", out / "checkpoints" / "step-0000004"):  # as if killed after step 2's checkpoint
+        shutil.rmtree(killed)
+    weights = out / "checkpoints" / "step-0000002" / "drafter.safetensors"
+    loading = stage.load_checkpoint
+
+    def swapped_while_loading(*args, **kwargs):
+        (weights.parent / "swap").write_bytes(weights.read_bytes())
+        (weights.parent / "swap").rename(weights)
+        return loading(*args, **kwargs)
+
+    monkeypatch.setattr(stage, "load_checkpoint", swapped_while_loading)
+    with pytest.raises(NotVerified, match="drafter.safetensors was replaced or rewritten.*delete that checkpoint"):
+        stage.run(tiny_cfg(tiny_target, max_steps=4), tiny_dataset, out, log=quiet)
+    monkeypatch.setattr(stage, "load_checkpoint", loading)
+    lines = []
+    stage.run(tiny_cfg(tiny_target, max_steps=4), tiny_dataset, out, log=lines.append)  # the same bytes: resumes
+    assert any("resuming from step-0000002" in line for line in lines)
+
+
+def test_a_pull_given_the_manifest_it_checked_pulls_that_one(tmp_path, dataset):
+    """train's resume from the store reads a checkpoint's manifest once and hands it to the check and the pull: a
+    manifest replaced in the store after it was read is not what lands (before, each step read its own)."""
+    from flashdraft.artifact.manifest import verify_dir
+    from flashdraft.artifact.store import open_store
+    from flashdraft.artifact.sync import pull, push, remote_manifest, verify_store
+
+    store = open_store(str(tmp_path / "store" / "ds"))
+    push(dataset, store, log=lambda _: None)
+    remote = remote_manifest(store)
+    (tmp_path / "store" / "ds" / MANIFEST).write_text("{not json")  # replaced after it was read
+    assert verify_store(store, remote=remote) == []
+    pull(store, tmp_path / "pulled", remote=remote)
+    assert (tmp_path / "pulled" / MANIFEST).read_bytes() == remote[1] and verify_dir(tmp_path / "pulled") == []
+    assert verify_store(store)  # read again, the store's own manifest does not parse
