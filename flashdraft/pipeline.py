@@ -26,15 +26,21 @@ class ShardsMissing(BadInput):
 
 
 def require_shards(workdir, num_shards: int) -> None:
-    """With generate.num_shards N > 1: every shard artifact must verify locally before tokenize reads them."""
-    from flashdraft.artifact.manifest import verify_dir
+    """With generate.num_shards N > 1: every shard artifact must be here (committed: its manifest reads) before
+    tokenize starts. Each is hashed once, where tokenize opens it to read (tokenize/records.py), not here too."""
+    from flashdraft.artifact.verified import open_input
 
     if num_shards <= 1:
         return
-    missing = [part for part in generate_parts(num_shards) if verify_dir(Path(workdir) / part)]
+    missing = []
+    for part in generate_parts(num_shards):
+        try:
+            open_input(Path(workdir) / part, "generate shard", "")
+        except BadInput:
+            missing.append(part)
     if missing:
         raise ShardsMissing(
-            f"tokenize needs all {num_shards} generate shards; {len(missing)} not verified: {', '.join(missing)}. "
+            f"tokenize needs all {num_shards} generate shards; {len(missing)} not here: {', '.join(missing)}. "
             "Run `flashdraft run --until generate` with generate.shard_index set on the hosts that own them "
             "(with --store, their pushes are pulled here), then rerun")
 

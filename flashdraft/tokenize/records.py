@@ -8,10 +8,12 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass
+from fnmatch import fnmatch
 from pathlib import Path
 from typing import Any
 
-from flashdraft.artifact.manifest import MANIFEST, require_verified
+from flashdraft.artifact.manifest import MANIFEST, content_digest
+from flashdraft.artifact.verified import InputArtifact, open_input
 from flashdraft.errors import BadInput
 from flashdraft.records import BadRecord, check_tools, check_turn, jsonl_lines, parse_json, prompt_id, turn_extras
 
@@ -30,15 +32,40 @@ class Conversation:
     length_capped: bool = False
 
 
-def input_records(source: Path) -> tuple[Iterator[Item], bool]:
+BATCHES = "batch-*[0-9].jsonl"  # a generate artifact's committed batches
+REMEDY = "regenerate it, or pull it from the store again"
+
+
+def open_source(source: Path) -> Path | InputArtifact:
+    """An input as tokenize reads it: an artifact (a directory with a manifest) opened once, its manifest read and
+    parsed here, so the lineage names the bytes its files are checked against; plain files stay paths."""
+    if source.is_dir() and (source / MANIFEST).exists():
+        return open_input(source, "input", REMEDY)
+    return source
+
+
+def source_digest(source: Path | InputArtifact) -> str:
+    """The input as the lineage names it: an artifact's manifest digest (of the bytes read once), else its content."""
+    return source.digest if isinstance(source, InputArtifact) else content_digest(source)
+
+
+def source_path(source: Path | InputArtifact) -> Path:
+    return source.root if isinstance(source, InputArtifact) else source
+
+
+def input_records(source: Path | InputArtifact) -> tuple[Iterator[Item], bool]:
     """(records as (file, line, raw JSON or row), whether the input is a generate artifact). An artifact is
-    used only if it verifies; a generate run that never finished is refused, not read as plain files."""
+    used only if it verifies — its files hashed against the manifest read once, the batches read the ones it lists,
+    and each still the file hashed once they are read; a generate run that never finished is refused, not read as
+    plain files."""
+    if isinstance(source, InputArtifact):
+        artifact = source.verified()
+        if artifact.manifest.kind == "completions":
+            batches = sorted(e.path for e in artifact.manifest.files if fnmatch(e.path, BATCHES))
+            return _held_to_hash(_jsonl_lines([artifact.root / name for name in batches]), artifact), True
+        source = artifact.root
     if source.is_dir():
-        if (source / MANIFEST).exists():
-            manifest = require_verified(source, "input", "regenerate it, or pull it from the store again")
-            if manifest.kind == "completions":
-                return _jsonl_lines(sorted(source.glob("batch-*[0-9].jsonl"))), True
-        elif any(source.glob("batch-*[0-9].jsonl")):
+        if any(source.glob(BATCHES)) and not (source / MANIFEST).exists():
             raise BadInput(f"{source} is an unfinished generate run (batch files, no manifest): rerun "
                            "`flashdraft generate` with the same --out to finish it, then tokenize")
         files = sorted(p for p in source.iterdir() if p.suffix in (".jsonl", ".json", ".parquet"))
@@ -51,6 +78,13 @@ def input_records(source: Path) -> tuple[Iterator[Item], bool]:
     if all(f.suffix == ".parquet" for f in files):
         return _parquet_rows(files), False
     return _jsonl_lines(files), False
+
+
+def _held_to_hash(records: Iterator[Item], artifact: InputArtifact) -> Iterator[Item]:
+    """The records, then the check that every file read is still the one hashed (a batch replaced while tokenize
+    read it fails the run before its dataset is committed)."""
+    yield from records
+    artifact.require_unchanged()
 
 
 def expand_inputs(sources: list[Path]) -> list[Path]:
@@ -67,18 +101,18 @@ def expand_inputs(sources: list[Path]) -> list[Path]:
     return expanded
 
 
-def all_records(sources: list[Path]) -> tuple[Iterator[Item], bool]:
+def all_records(sources: list[Path | InputArtifact]) -> tuple[Iterator[Item], bool]:
     """Every input's records, one after the other (file names prefixed by their input's name when there are
     several); all inputs must be of one kind: generate artifacts, or plain conversations."""
-    parts = [(source, *input_records(source)) for source in sources]  # artifacts verified here, before any work
+    parts = [(source_path(source), *input_records(source)) for source in sources]  # verified here, before any work
     kinds = {from_generate for _, _, from_generate in parts}
     if len(kinds) > 1:
         raise BadInput("the inputs mix generate artifacts and plain conversation files: tokenize them separately")
 
     def chained() -> Iterator[Item]:
-        for source, records, _ in parts:
+        for path, records, _ in parts:
             for name, line, raw in records:
-                yield (f"{source.name}/{name}" if len(parts) > 1 else name), line, raw
+                yield (f"{path.name}/{name}" if len(parts) > 1 else name), line, raw
 
     return chained(), kinds.pop()
 

@@ -18,13 +18,13 @@ from typing import Any
 import numpy as np
 
 from flashdraft.artifact.atomic import atomic_write_text
-from flashdraft.artifact.manifest import Lineage, check_done, content_digest, identity, read_manifest, sha256_json
+from flashdraft.artifact.manifest import Lineage, check_done, identity, read_manifest, sha256_json
 from flashdraft.artifact.ownership import commit_dir, hold_output
 from flashdraft.config import TokenizeConfig
 from flashdraft.errors import BadInput, ExpectedFailure
 from flashdraft.progress import progress
 from flashdraft.tokenize.offsets import longest_run
-from flashdraft.tokenize.records import all_records, expand_inputs
+from flashdraft.tokenize.records import all_records, expand_inputs, open_source, source_digest
 from flashdraft.tokenize.shards import ShardWriter
 from flashdraft.tokenize.token_counts import TOKEN_COUNTS
 from flashdraft.tokenize.workers import CHUNK, ChunkResult, init_pool_worker, init_worker, no_cyclic_gc, process_chunk
@@ -60,10 +60,11 @@ def run(
     from flashdraft.model.resolve import resolve_model
 
     sources = expand_inputs([Path(p) for p in (source if isinstance(source, list) else [source])])
+    inputs = [open_source(s) for s in sources]  # each artifact's manifest read once, here
     out = Path(out)
     tokenizer_path = resolve_model(cfg.tokenizer, log=log)
     lineage = Lineage(
-        inputs=[content_digest(s) for s in sources],
+        inputs=[source_digest(opened) for opened in inputs],
         config=sha256_json({"tokenize": cfg.model_dump(exclude={"workers"}), "tokenizer": identity(tokenizer_path)}),
     )
     # Locked for the whole run; refused unless it is a dataset (or empty) outside every input.
@@ -72,7 +73,7 @@ def run(
         log(decision.line("tokenize", out))
         if decision.done:
             return read_manifest(out).stats
-        records, from_generate = all_records(sources)
+        records, from_generate = all_records(inputs)
         if len(sources) > 1:
             log(f"tokenize: {len(sources)} inputs merged ({', '.join(s.name for s in sources)}), duplicates "
                 "dropped by id")

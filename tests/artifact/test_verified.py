@@ -135,3 +135,38 @@ def test_a_pull_given_the_manifest_it_checked_pulls_that_one(tmp_path, dataset):
     pull(store, tmp_path / "pulled", remote=remote)
     assert (tmp_path / "pulled" / MANIFEST).read_bytes() == remote[1] and verify_dir(tmp_path / "pulled") == []
     assert verify_store(store)  # read again, the store's own manifest does not parse
+
+
+def test_tokenize_refuses_a_batch_replaced_while_it_reads_it(tmp_path, smollm2_dir, monkeypatch):
+    """tokenize opens a generate artifact once (the lineage's digest, the hash, the batches it lists) and holds the
+    batches it read to the files hashed: one swapped in the middle of the run fails it, and no dataset is committed."""
+    import json
+
+    import flashdraft.tokenize.records as records
+    from flashdraft.config import TokenizeConfig
+    from flashdraft.tokenize import run
+
+    gen = tmp_path / "gen"
+    gen.mkdir()
+    for batch in range(2):
+        (gen / f"batch-{batch:06d}.jsonl").write_text("".join(json.dumps({
+            "id": f"p{batch}-{i}", "messages": [{"role": "user", "content": f"Question {i}?"}],
+            "content": f"Answer {i} is {i + i}, as it was asked.", "reasoning": None, "finish_reason": "stop"}) + "\n"
+            for i in range(3)))
+    write_manifest(gen, build_manifest(gen, kind="completions"))
+    reading = records._jsonl_lines
+
+    def swapped_midway(files):
+        for n, item in enumerate(reading(files)):
+            if n == 1:  # the same bytes, another file: what a second generate committing here would leave
+                (gen / "swap").write_bytes(files[-1].read_bytes())
+                (gen / "swap").rename(files[-1])
+            yield item
+
+    monkeypatch.setattr(records, "_jsonl_lines", swapped_midway)
+    cfg = TokenizeConfig(tokenizer=smollm2_dir, min_loss_fraction=0.0, workers=1)
+    with pytest.raises(NotVerified, match="batch-000001.jsonl was replaced or rewritten"):
+        run(cfg, gen, tmp_path / "ds", log=lambda _: None)
+    assert not (tmp_path / "ds" / MANIFEST).exists()
+    monkeypatch.setattr(records, "_jsonl_lines", reading)
+    assert run(cfg, gen, tmp_path / "ds", log=lambda _: None)["samples"] == 6  # read whole, the same bytes verify
