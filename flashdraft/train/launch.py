@@ -217,6 +217,8 @@ def run_launched(cfg, data, out, require_checkpoint: bool, log) -> dict:
     from flashdraft.artifact.manifest import require_verified
     from flashdraft.layout import DRAFTER
 
+    if cfg.nnodes == 1 and not cfg.push_to and not require_checkpoint and (done := already_done(cfg, data, out, log)):
+        return done  # a done rerun says so here, without starting processes that would each load torch to say it
     where = f" as node {cfg.node_rank} of {cfg.nnodes} (rendezvous at {cfg.rdzv_endpoint})" if cfg.nnodes > 1 else ""
     log(f"train: starting {cfg.nproc_per_node} processes on this node{where} (train.nproc_per_node)")
     with tempfile.TemporaryDirectory(prefix="flashdraft-launch-") as tmp:
@@ -231,6 +233,32 @@ def run_launched(cfg, data, out, require_checkpoint: bool, log) -> dict:
     manifest = require_verified(drafter, "train's drafter", "rerun the same command")
     log(f"train: done, verified — {drafter} (from {cfg.nproc_per_node} processes)")
     return manifest.stats
+
+
+def already_done(cfg, data, out, log) -> dict | None:
+    """The drafter's stats when `out` already holds this run's drafter, verified (the line each process would print,
+    printed once here); None when there is work for the processes. On one node and without a store only: with
+    several nodes the others wait at the rendezvous for node 0, and with push_to the processes make sure the store
+    holds the drafter too."""
+    from pathlib import Path
+
+    from flashdraft.artifact.manifest import check_done, read_manifest
+    from flashdraft.artifact.verified import open_input
+    from flashdraft.errors import BadTrainingInput
+    from flashdraft.layout import DRAFTER
+    from flashdraft.model.resolve import resolve_model
+    from flashdraft.train.lineage import lineage_of
+
+    drafter = Path(out) / DRAFTER
+    if not (drafter / "manifest.json").is_file():
+        return None
+    dataset = open_input(data, "dataset", "run `flashdraft tokenize` (again), or pull it again", BadTrainingInput)
+    lineage = lineage_of(cfg, dataset.digest, resolve_model(cfg.target, log=log), cfg.nproc_per_node)
+    decision = check_done(drafter, lineage)
+    if not decision.done:
+        return None
+    log(decision.line("train", drafter))
+    return read_manifest(drafter).stats
 
 
 def drafter_in_store(cfg, log) -> dict:

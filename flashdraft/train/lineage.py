@@ -26,15 +26,23 @@ def not_lineage(cfg: TrainConfig) -> set[str]:
 def run_lineage(cfg: TrainConfig, dataset_digest: str, target_path: str, world: int) -> Lineage:
     """The run's lineage; with several processes, first checked to be every process's (`agree`): each node computed
     its own from its own --data, config and target, so what they share is compared, not assumed."""
-    target_identity, settings = identity(target_path), cfg.model_dump(exclude=not_lineage(cfg))
-    lineage = Lineage(
-        inputs=[dataset_digest],  # the sha256 of the dataset's manifest, read once at train's edge
-        config=sha256_json(
-            {"train": settings, "world": world, "target": target_identity,
-             "init_from": identity(cfg.init_from) if cfg.init_from else None}
-        ),
-    )
+    lineage = lineage_of(cfg, dataset_digest, target_path, world)
+    settings = cfg.model_dump(exclude=not_lineage(cfg))
+    target_identity = identity(target_path)
     shared = {k: v for k, v in settings.items() if k not in ("target", "init_from")}  # by identity, not path
     agree(world, {"dataset": lineage.inputs[0], "config": sha256_json(shared), "target": target_identity,
                   "flashdraft version": lineage.flashdraft})
     return lineage
+
+
+def lineage_of(cfg: TrainConfig, dataset_digest: str, target_path: str, world: int) -> Lineage:
+    """What a run of `world` processes with these settings on this dataset and target is named by: its checkpoints'
+    and drafter's lineage. Computed alone (no collective): the launcher reads it before it starts any process."""
+    settings = cfg.model_dump(exclude=not_lineage(cfg))
+    return Lineage(
+        inputs=[dataset_digest],  # the sha256 of the dataset's manifest, read once at train's edge
+        config=sha256_json(
+            {"train": settings, "world": world, "target": identity(target_path),
+             "init_from": identity(cfg.init_from) if cfg.init_from else None}
+        ),
+    )

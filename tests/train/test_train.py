@@ -362,6 +362,7 @@ def test_nproc_per_node_starts_the_processes_itself_as_torchrun_would(tiny_targe
                             str(tiny_dataset), "--out", str(tmp_path / "b"), "--json"], capture_output=True, text=True,
                            timeout=300)
     assert again.returncode == 0 and "already done, verified" in again.stderr
+    assert "starting 2 processes" not in again.stderr  # a done rerun is a no-op here, not two processes loading torch
     [only] = again.stdout.splitlines()  # the processes' lines went to stderr: one JSON object on stdout
     assert json.loads(only)["path"] == str(tmp_path / "b" / "drafter")
 
