@@ -196,7 +196,9 @@ class PushFailed(ExpectedFailure):
     """A checkpoint could not be pushed to train.push_to after every attempt: training stops, checkpoints kept."""
 
 
-PUSH_BACKOFF_S = float(os.environ.get("FLASHDRAFT_PUSH_BACKOFF_S", "5"))  # first retry's wait; doubles, ≤ 60 s
+def push_backoff_s() -> float:
+    """The first retry's wait (FLASHDRAFT_PUSH_BACKOFF_S, 5 s); it doubles, up to 60 s. Read when a push fails."""
+    return float(os.environ.get("FLASHDRAFT_PUSH_BACKOFF_S", "5"))
 
 
 class CheckpointShipper:
@@ -231,7 +233,7 @@ class CheckpointShipper:
             except (ExpectedFailure, OSError) as e:  # OSError: a local store's disk refused
                 if attempt == attempts:
                     raise
-                wait = min(60.0, PUSH_BACKOFF_S * 2 ** (attempt - 1))
+                wait = min(60.0, push_backoff_s() * 2 ** (attempt - 1))
                 self.log(f"train: push of {name} failed (attempt {attempt} of {attempts}): {e}; retrying in "
                          f"{wait:.0f} s")
                 time.sleep(wait)

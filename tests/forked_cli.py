@@ -1,0 +1,194 @@
+"""The `cli` fixture's fast path: `flashdraft …` in a process forked from one that has already imported what the
+commands import (torch, transformers' model classes, flashdraft's stages), as multiprocessing's forkserver does.
+
+Why: a process that trains or evaluates spends ~3.5 s of CPU importing before its first line of work, and the suite
+starts hundreds of them on two cores (measured: a quarter of the suite's CPU time went to those imports). The command
+itself is unchanged: the real entry point (`python -m flashdraft`, run by runpy as `-m` runs it) in a process of its
+own, with the test's argv, environment, working directory, stdin from /dev/null and stdout/stderr on pipes, its exit
+code what the interpreter's would be (threads joined, atexit handlers run).
+
+Where a fork could differ from a fresh interpreter, `run` starts a fresh one instead: an environment that differs in
+anything read at import time (only FLASHDRAFT_*, AWS_* and PYTEST_* may differ: flashdraft and boto3 read those when
+a command runs), or any subprocess option but `check`, `cwd`, `env` and `timeout`. `FLASHDRAFT_TEST_FORK=0` turns the
+fast path off for a whole run.
+
+    python tests/forked_cli.py SOCKET    # the server: imports, then forks one process per request
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+RUNTIME_PREFIXES = ("FLASHDRAFT_", "AWS_", "PYTEST_")  # read by a command when it runs, never at import
+PRELOAD = ("torch", "transformers", "transformers.models.llama.modeling_llama", "flashdraft.cli",
+           "flashdraft.train.stage", "flashdraft.evaluate.stage", "flashdraft.generate.stage",
+           "flashdraft.tokenize.stage", "flashdraft.estimate", "flashdraft.pipeline", "flashdraft.artifact.sync",
+           "boto3")
+READY = b"ready\n"
+
+
+# ---------------------------------------------------------------------------------------------- the server
+
+
+def serve(path: str) -> None:
+    """Import PRELOAD, then for each connection fork a waiter, which forks the command, reports its pid, waits for
+    it and reports its exit code. The server itself never runs a command, so each fork starts from the same state."""
+    import importlib
+
+    for name in PRELOAD:
+        importlib.import_module(name)
+    assert threading.active_count() == 1, "a thread at fork time would be missing in every command"
+    server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    server.bind(path)
+    server.listen(16)
+    sys.stdout.buffer.write(READY)
+    sys.stdout.flush()
+    while True:
+        conn, _ = server.accept()
+        while True:  # reap the waiters that are done
+            try:
+                if os.waitpid(-1, os.WNOHANG)[0] == 0:
+                    break
+            except ChildProcessError:
+                break
+        if os.fork() == 0:
+            server.close()
+            wait_for_one(conn)  # never returns
+        conn.close()
+
+
+def wait_for_one(conn: socket.socket) -> None:
+    try:
+        message, fds, _, _ = socket.recv_fds(conn, 1 << 20, 3)
+        request = json.loads(message)
+        pid = os.fork()
+        if pid == 0:
+            conn.close()
+            run_command(request, fds)  # never returns
+        for fd in fds:
+            os.close(fd)
+        conn.sendall(json.dumps({"pid": pid}).encode() + b"\n")
+        _, status = os.waitpid(pid, 0)
+        conn.sendall(json.dumps({"returncode": os.waitstatus_to_exitcode(status)}).encode() + b"\n")
+    finally:
+        os._exit(0)
+
+
+def run_command(request: dict, fds: list[int]) -> None:
+    """In the forked child: become `python -m flashdraft ARGS` with the request's stdio, directory and environment,
+    and end as that interpreter would."""
+    import runpy
+    import traceback
+
+    code = 1
+    try:
+        for target, fd in enumerate(fds):
+            os.dup2(fd, target)
+            os.close(fd)
+        os.chdir(request["cwd"])
+        os.environ.clear()
+        os.environ.update(request["env"])
+        sys.argv = [str(Path(sys.modules["flashdraft"].__file__).parent / "__main__.py"), *request["args"]]
+        sys.path[0] = request["cwd"]  # as `python -m` puts the working directory first
+        try:
+            runpy.run_module("flashdraft", run_name="__main__", alter_sys=True)
+            code = 0
+        except SystemExit as e:  # sys.exit(n), sys.exit("message"), sys.exit(None): as the interpreter treats them
+            if e.code is None or isinstance(e.code, int):
+                code = e.code or 0
+            else:
+                print(e.code, file=sys.stderr)
+        except BaseException:  # noqa: BLE001 — what the interpreter does with an uncaught exception
+            traceback.print_exc()
+        threading._shutdown()  # non-daemon threads are joined, as at a normal exit
+        atexit._run_exitfuncs()
+    finally:
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except Exception:  # noqa: BLE001 — a closed pipe: nothing left to say
+                pass
+        os._exit(code)
+
+
+# ---------------------------------------------------------------------------------------------- the client
+
+
+class ForkedCli:
+    """One server per pytest process (per xdist worker), started on first use, stopped at exit."""
+
+    def __init__(self, root: Path, env: dict[str, str]):
+        self.socket = str(root / "cli.sock")
+        self.log = root / "server.log"
+        self.env = env
+        self.process = subprocess.Popen([sys.executable, __file__, self.socket], stdin=subprocess.DEVNULL,
+                                        stdout=subprocess.PIPE, stderr=self.log.open("wb"), env=self.env)
+        if self.process.stdout.readline() != READY:
+            self.process.kill()
+            raise RuntimeError(f"the forked-CLI server did not start: {self.log.read_text()[-2000:]}")
+        atexit.register(self.process.kill)
+
+    def can_run(self, env: dict[str, str], kwargs: dict) -> bool:
+        if set(kwargs) - {"cwd", "env", "timeout"} or self.process.poll() is not None:
+            return False
+        differ = {key for key in env.keys() | self.env.keys() if env.get(key) != self.env.get(key)}
+        return all(key.startswith(RUNTIME_PREFIXES) for key in differ)
+
+    def run(self, args: tuple[str, ...], env: dict[str, str], cwd: str, timeout: float | None
+            ) -> subprocess.CompletedProcess:
+        out_r, out_w = os.pipe()
+        err_r, err_w = os.pipe()
+        devnull = os.open(os.devnull, os.O_RDONLY)
+        conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        conn.connect(self.socket)
+        try:
+            request = {"args": list(args), "env": env, "cwd": cwd}
+            socket.send_fds(conn, [json.dumps(request).encode()], [devnull, out_w, err_w])
+        finally:
+            for fd in (devnull, out_w, err_w):
+                os.close(fd)
+        chunks: dict[int, list[bytes]] = {out_r: [], err_r: []}
+
+        def drain(fd: int) -> None:
+            with os.fdopen(fd, "rb") as pipe:
+                while data := pipe.read1(1 << 16):
+                    chunks[fd].append(data)
+
+        readers = [threading.Thread(target=drain, args=(fd,), daemon=True) for fd in (out_r, err_r)]
+        for reader in readers:
+            reader.start()
+        answers = conn.makefile("rb")
+        pid = json.loads(answers.readline())["pid"]
+        deadline = None if timeout is None else time.monotonic() + timeout
+        conn.settimeout(None if timeout is None else max(0.0, deadline - time.monotonic()))
+        try:
+            returncode = json.loads(answers.readline())["returncode"]
+        except TimeoutError:
+            os.kill(pid, 9)
+            raise subprocess.TimeoutExpired([sys.executable, "-m", "flashdraft", *args], timeout) from None
+        finally:
+            conn.close()
+        for reader in readers:
+            reader.join()
+        return subprocess.CompletedProcess([sys.executable, "-m", "flashdraft", *args], returncode,
+                                           text(b"".join(chunks[out_r])), text(b"".join(chunks[err_r])))
+
+
+def text(data: bytes) -> str:
+    """As subprocess.run(text=True) decodes: the locale's encoding, universal newlines."""
+    import io
+    import locale
+
+    return io.TextIOWrapper(io.BytesIO(data), encoding=locale.getpreferredencoding(False)).read()
+
+
+if __name__ == "__main__":
+    serve(sys.argv[1])
