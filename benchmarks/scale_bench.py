@@ -63,8 +63,17 @@ def prompts(path: Path, n: int) -> None:
 # ------------------------------------------------------------------------------------------- the endpoint
 
 # 64 canned answers, picked by the prompt's hash: an endpoint that answers at once, so generate's time is its own.
-ANSWERS = [f"Let me think this through. {words(10_000 + k, 920)}\n\nSo the answer: {words(20_000 + k, 780)}"
-           for k in range(64)]
+# (--answer-words shortens them: the test of this script runs every stage on answers of 40 words, in seconds.)
+ANSWER_WORDS = 1_700
+
+
+def answers(total_words: int) -> list[str]:
+    thought = total_words * 920 // 1_700
+    return [f"Let me think this through. {words(10_000 + k, thought)}\n\nSo the answer: "
+            f"{words(20_000 + k, total_words - thought)}" for k in range(64)]
+
+
+ANSWERS = answers(ANSWER_WORDS)
 
 
 class Endpoint(BaseHTTPRequestHandler):
@@ -88,7 +97,8 @@ class Endpoint(BaseHTTPRequestHandler):
         self._send({"id": "c", "object": "chat.completion", "created": 0, "model": "synthetic",
                     "choices": [{"index": 0, "finish_reason": "stop",
                                  "message": {"role": "assistant", "content": answer}}],
-                    "usage": {"prompt_tokens": 250, "completion_tokens": 1700, "total_tokens": 1950}})
+                    "usage": {"prompt_tokens": 250, "completion_tokens": len(answer.split()),
+                              "total_tokens": 250 + len(answer.split())}})
 
     def log_message(self, *args) -> None:
         pass
@@ -248,9 +258,13 @@ def main() -> None:
     ap.add_argument("--stages", default=",".join(STAGES),
                     help="which stages to measure; each needs the ones before it, except generate and estimate")
     ap.add_argument("--json", type=Path, help="also write the raw measurements here")
+    ap.add_argument("--answer-words", type=int, default=ANSWER_WORDS,
+                    help="the endpoint's answers' length in words (the reference run's: ~1,700 tokens)")
     ap.add_argument("--serve", type=Path, help=argparse.SUPPRESS)  # internal: run the endpoint
     args = ap.parse_args()
     if args.serve:
+        global ANSWERS
+        ANSWERS = answers(args.answer_words)
         serve(args.serve)
         return
     from tests.servers import seaweed_server
@@ -259,7 +273,8 @@ def main() -> None:
     claim_work(args.work)
     port_file = args.work / "endpoint.port"
     port_file.unlink(missing_ok=True)
-    endpoint = subprocess.Popen([sys.executable, __file__, "--serve", str(port_file)])
+    endpoint = subprocess.Popen([sys.executable, __file__, "--serve", str(port_file), "--answer-words",
+                                 str(args.answer_words)])
     try:
         while not port_file.exists():
             time.sleep(0.05)

@@ -8,9 +8,9 @@ own, with the test's argv, environment, working directory, stdin from /dev/null 
 code what the interpreter's would be (threads joined, atexit handlers run).
 
 Where a fork could differ from a fresh interpreter, `run` starts a fresh one instead: an environment that differs in
-anything read at import time (only FLASHDRAFT_*, AWS_* and PYTEST_* may differ: flashdraft and boto3 read those when
-a command runs), or any subprocess option but `check`, `cwd`, `env` and `timeout`. `FLASHDRAFT_TEST_FORK=0` turns the
-fast path off for a whole run.
+anything read at import time (only FLASHDRAFT_*, AWS_*, PYTEST_* and TORCHINDUCTOR_CACHE_DIR may differ: flashdraft,
+boto3 and torch read those when a command runs), or any subprocess option but `check`, `cwd`, `env` and `timeout`.
+`FLASHDRAFT_TEST_FORK=0` turns the fast path off for a whole run.
 
     python tests/forked_cli.py SOCKET    # the server: imports, then forks one process per request
 """
@@ -28,6 +28,8 @@ import time
 from pathlib import Path
 
 RUNTIME_PREFIXES = ("FLASHDRAFT_", "AWS_", "PYTEST_")  # read by a command when it runs, never at import
+# torch sets it in the test process the first time it compiles (read again at each use, never at import)
+RUNTIME_KEYS = {"TORCHINDUCTOR_CACHE_DIR"}
 PRELOAD = ("torch", "transformers", "transformers.models.llama.modeling_llama", "flashdraft.cli",
            "flashdraft.train.stage", "flashdraft.evaluate.stage", "flashdraft.generate.stage",
            "flashdraft.tokenize.stage", "flashdraft.estimate", "flashdraft.pipeline", "flashdraft.artifact.sync",
@@ -140,7 +142,7 @@ class ForkedCli:
         if set(kwargs) - {"cwd", "env", "timeout"} or self.process.poll() is not None:
             return False
         differ = {key for key in env.keys() | self.env.keys() if env.get(key) != self.env.get(key)}
-        return all(key.startswith(RUNTIME_PREFIXES) for key in differ)
+        return all(key.startswith(RUNTIME_PREFIXES) or key in RUNTIME_KEYS for key in differ)
 
     def run(self, args: tuple[str, ...], env: dict[str, str], cwd: str, timeout: float | None
             ) -> subprocess.CompletedProcess:
