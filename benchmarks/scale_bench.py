@@ -63,7 +63,7 @@ def prompts(path: Path, n: int) -> None:
 # ------------------------------------------------------------------------------------------- the endpoint
 
 # 64 canned answers, picked by the prompt's hash: an endpoint that answers at once, so generate's time is its own.
-# (--answer-words shortens them: the test of this script runs every stage on answers of 40 words, in seconds.)
+# (--answer-words shortens them: the test of this script runs every stage on answers of 200 words.)
 ANSWER_WORDS = 1_700
 
 

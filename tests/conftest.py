@@ -1,8 +1,6 @@
 import json
 import os
-import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 import pytest
@@ -27,30 +25,7 @@ def pytest_collection_modifyitems(config, items):
     items.sort(key=lambda item: -seconds.get(item.nodeid.split("::")[0], float("inf")))  # stable: a file's order kept
 
 
-BASE_ENV = dict(os.environ)  # before any test changes it: the forked-CLI server's environment
-_forked = None
-
-
-def run_cli(*args: str, check: bool = False, **kwargs) -> subprocess.CompletedProcess:
-    """The real console entry point in a process of its own, as a user or a script would run it: forked from a
-    server that has imported its dependencies already (tests/forked_cli.py says when it starts a fresh interpreter
-    instead, and why this is the same command)."""
-    global _forked
-    from tests.forked_cli import ForkedCli
-
-    env = dict(kwargs.get("env") or os.environ)
-    if os.environ.get("FLASHDRAFT_TEST_FORK", "1") != "0":
-        if _forked is None:
-            _forked = ForkedCli(Path(tempfile.mkdtemp(prefix="flashdraft-cli-")), BASE_ENV)
-        if _forked.can_run(env, kwargs):
-            proc = _forked.run(args, env, str(kwargs.get("cwd") or os.getcwd()), kwargs.get("timeout"))
-        else:
-            proc = subprocess.run([sys.executable, "-m", "flashdraft", *args], capture_output=True, text=True, **kwargs)
-    else:
-        proc = subprocess.run([sys.executable, "-m", "flashdraft", *args], capture_output=True, text=True, **kwargs)
-    if check and proc.returncode != 0:
-        raise AssertionError(f"flashdraft {' '.join(args)} exited {proc.returncode}:\n{proc.stdout}\n{proc.stderr}")
-    return proc
+from tests.forked_cli import run_cli  # noqa: E402 — after OMP_NUM_THREADS above: its server inherits it
 
 
 @pytest.fixture

@@ -23,6 +23,7 @@ import os
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -35,6 +36,26 @@ PRELOAD = ("torch", "transformers", "transformers.models.llama.modeling_llama", 
            "flashdraft.tokenize.stage", "flashdraft.estimate", "flashdraft.pipeline", "flashdraft.artifact.sync",
            "boto3")
 READY = b"ready\n"
+BASE_ENV = dict(os.environ)  # as this module is first imported (by conftest), before any test changes it
+_server: ForkedCli | None = None
+
+
+def run_cli(*args: str, check: bool = False, **kwargs) -> subprocess.CompletedProcess:
+    """`python -m flashdraft ARGS` in a process of its own, as a user or a script would run it: forked from this
+    process's server where the fork is the same command, else a fresh interpreter (subprocess.run's kwargs)."""
+    global _server
+    env = dict(kwargs.get("env") or os.environ)
+    proc = None
+    if os.environ.get("FLASHDRAFT_TEST_FORK", "1") != "0":
+        if _server is None:
+            _server = ForkedCli(Path(tempfile.mkdtemp(prefix="flashdraft-cli-")), BASE_ENV)
+        if _server.can_run(env, kwargs):
+            proc = _server.run(args, env, str(kwargs.get("cwd") or os.getcwd()), kwargs.get("timeout"))
+    if proc is None:
+        proc = subprocess.run([sys.executable, "-m", "flashdraft", *args], capture_output=True, text=True, **kwargs)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"flashdraft {' '.join(args)} exited {proc.returncode}:\n{proc.stdout}\n{proc.stderr}")
+    return proc
 
 
 # ---------------------------------------------------------------------------------------------- the server
@@ -45,6 +66,11 @@ def serve(path: str) -> None:
     it and reports its exit code. The server itself never runs a command, so each fork starts from the same state."""
     import importlib
 
+    from flashdraft.cli.app import quiet_library_progress_bars
+
+    # Every request's stderr is a pipe, so every command turns the libraries' bars off before importing them; the
+    # libraries read that when imported, so it is done here, before they are (the command does it again: a no-op).
+    quiet_library_progress_bars()
     for name in PRELOAD:
         importlib.import_module(name)
     assert threading.active_count() == 1, "a thread at fork time would be missing in every command"

@@ -32,6 +32,7 @@ import torch
 import yaml
 from safetensors.torch import load_file
 
+from tests.forked_cli import run_cli
 from tests.servers import alive, children, transformers_serve
 
 # Checkpoints every 2 steps, the store keeps the last 2: "two pushes seen" holds from step 4 on, so the run must be
@@ -80,8 +81,9 @@ class Fleet:
     def run(self, machine: str, args: list[str], expect_ok: bool = True, launcher: list[str] | None = None):
         began = time.perf_counter()
         command = (launcher or [sys.executable, "-m", "flashdraft"]) + args
-        proc = subprocess.run(command, capture_output=True, text=True, timeout=600,
-                              env=dict(os.environ, OMP_NUM_THREADS="1"))
+        env = dict(os.environ, OMP_NUM_THREADS="1")
+        proc = (subprocess.run(command, capture_output=True, text=True, timeout=600, env=env) if launcher else
+                run_cli(*args, timeout=600, env=env))  # the machine's own `flashdraft …` (tests/forked_cli.py)
         short = " ".join(a if "/" not in a else Path(a).name for a in args)[:58]
         self.note(machine, short, began, f"exit {proc.returncode}")
         if expect_ok and proc.returncode != 0:

@@ -17,7 +17,6 @@ import json
 import re
 import shlex
 import subprocess
-import sys
 import uuid
 from contextlib import ExitStack
 from pathlib import Path
@@ -25,6 +24,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from tests.forked_cli import run_cli
 from tests.servers import free_port_block, transformers_serve
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -128,8 +128,7 @@ def test_the_seeds_topology_runs_the_runbook_end_to_end(tmp_path, s3env, smollm2
         return config
 
     def run(name: str, *args: str) -> subprocess.CompletedProcess:
-        proc = subprocess.run([sys.executable, "-m", "flashdraft", *args], capture_output=True, text=True,
-                              timeout=900)
+        proc = run_cli(*args, timeout=900)
         timeline.append(f"{name}: flashdraft {' '.join(Path(a).name if '/' in a else a for a in args)} "
                         f"→ exit {proc.returncode}")
         assert proc.returncode == 0, "\n".join(timeline) + f"\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"

@@ -13,7 +13,7 @@ ROOT = Path(__file__).resolve().parent.parent
 @pytest.mark.slow
 def test_scale_bench_measures_every_stage_at_its_smallest_size(tmp_path):
     proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "scale_bench.py"), "--sizes", "20",
-                           "--answer-words", "40", "--work", str(tmp_path / "w"), "--no-record", "--json",
+                           "--answer-words", "200", "--work", str(tmp_path / "w"), "--no-record", "--json",
                            str(tmp_path / "runs.json")],
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]

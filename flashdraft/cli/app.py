@@ -185,5 +185,12 @@ def main(
 ) -> None:
     """Train DFlash drafters: generate → tokenize → train → eval, with verified artifacts and sync."""
     if not sys.stderr.isatty():  # a log file: library progress bars (weights loading, shards) would fill it
-        os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
-        os.environ.setdefault("TQDM_DISABLE", "1")  # tqdm's own (GGUF conversion, datasets): \r-lines in a log
+        quiet_library_progress_bars()
+
+
+def quiet_library_progress_bars() -> None:
+    """Hugging Face's bars (weights loading, downloads) and tqdm's own (GGUF conversion, datasets) off: \r-lines in
+    a log file. Environment variables, which those libraries read when they are imported (after this, in a
+    command) and which the processes a command starts inherit."""
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    os.environ.setdefault("TQDM_DISABLE", "1")

@@ -14,6 +14,7 @@ from transformers import AutoConfig
 from flashdraft.model.dflash2 import DFlash2Drafter, dflash2_config
 from flashdraft.model.drafter import DFlashDrafter, draft_config
 from flashdraft.model.export import save_drafter
+from tests.forked_cli import run_cli
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -36,8 +37,7 @@ def test_without_the_speculators_package_one_line_says_how_to_get_it(tmp_path, t
     except ImportError:
         pass
     trained_drafter(tiny_target, tmp_path / "d")
-    run = subprocess.run([sys.executable, "-m", "flashdraft", "export", "--drafter", str(tmp_path / "d"),
-                          "--target", tiny_target, "--out", str(tmp_path / "spec")], capture_output=True, text=True)
+    run = run_cli("export", "--drafter", str(tmp_path / "d"), "--target", tiny_target, "--out", str(tmp_path / "spec"))
     assert run.returncode == 1 and "Traceback" not in run.stderr
     assert "pip install speculators" in run.stderr and not (tmp_path / "spec").exists()
 

@@ -26,6 +26,7 @@ from flashdraft.model.objective import (
 from flashdraft.model.target import Target
 from flashdraft.train import run
 from flashdraft.train.step import sequence_step
+from tests.forked_cli import run_cli
 
 VOCAB = 128
 
@@ -320,8 +321,7 @@ def test_resume_ignores_an_incomplete_checkpoint(tiny_target, tiny_dataset, tmp_
 def test_two_process_ddp_matches_single_process_on_the_same_global_batch(tiny_target, tiny_dataset, tmp_path):
     single = write_config(tmp_path / "single.yaml", tiny_target, batch_size=2, max_steps=2, checkpoint_every=1)
     ddp = write_config(tmp_path / "ddp.yaml", tiny_target, batch_size=1, max_steps=2, checkpoint_every=1)
-    subprocess.run([sys.executable, "-m", "flashdraft", "train", "--config", str(single), "--data",
-                    str(tiny_dataset), "--out", str(tmp_path / "one")], check=True, capture_output=True)
+    run_cli("train", "--config", str(single), "--data", str(tiny_dataset), "--out", str(tmp_path / "one"), check=True)
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = str(sock.getsockname()[1])
@@ -348,9 +348,8 @@ def test_nproc_per_node_starts_the_processes_itself_as_torchrun_would(tiny_targe
                              nproc_per_node=2, device="cpu;cpu", target_device="cpu;cpu")
     assert torchrun("train", "--config", str(by_torchrun), "--data", str(tiny_dataset), "--out",
                     str(tmp_path / "a")).returncode == 0
-    proc = subprocess.run([sys.executable, "-m", "flashdraft", "train", "--config", str(by_itself), "--data",
-                           str(tiny_dataset), "--out", str(tmp_path / "b")], capture_output=True, text=True,
-                          timeout=300)
+    proc = run_cli("train", "--config", str(by_itself), "--data", str(tiny_dataset), "--out", str(tmp_path / "b"),
+                   timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     # the processes' lines on stderr, this command's own on stdout (with --json: only its JSON object there)
     assert "2 process(es)" in proc.stderr and "(from 2 processes)" in proc.stdout
@@ -358,9 +357,8 @@ def test_nproc_per_node_starts_the_processes_itself_as_torchrun_would(tiny_targe
         a = load_file(str(tmp_path / "a" / "checkpoints" / step / "drafter.safetensors"))
         b = load_file(str(tmp_path / "b" / "checkpoints" / step / "drafter.safetensors"))
         assert all(torch.allclose(a[k], b[k], atol=1e-5) for k in a), step
-    again = subprocess.run([sys.executable, "-m", "flashdraft", "train", "--config", str(by_itself), "--data",
-                            str(tiny_dataset), "--out", str(tmp_path / "b"), "--json"], capture_output=True, text=True,
-                           timeout=300)
+    again = run_cli("train", "--config", str(by_itself), "--data", str(tiny_dataset), "--out", str(tmp_path / "b"),
+                    "--json", timeout=300)
     assert again.returncode == 0 and "already done, verified" in again.stderr
     assert "starting 2 processes" not in again.stderr  # a done rerun is a no-op here, not two processes loading torch
     [only] = again.stdout.splitlines()  # the processes' lines went to stderr: one JSON object on stdout
@@ -405,8 +403,8 @@ def test_nproc_per_node_starts_the_processes_itself_as_torchrun_would(tiny_targe
     shutil.copytree(tiny_dataset, changed)
     info = changed / "dataset_info.json"
     info.write_text(info.read_text() + " ")
-    failed = subprocess.run([sys.executable, "-m", "flashdraft", "train", "--config", str(by_itself), "--data",
-                             str(changed), "--out", str(tmp_path / "c")], capture_output=True, text=True, timeout=300)
+    failed = run_cli("train", "--config", str(by_itself), "--data", str(changed), "--out", str(tmp_path / "c"),
+                     timeout=300)
     assert failed.returncode == 1 and "Traceback" not in failed.stderr, failed.stderr[-3000:]
     assert "of 2 exited 1" in failed.stderr.strip().splitlines()[-1]
 
@@ -445,8 +443,7 @@ def test_fsdp_checkpoints_save_restore_and_export_the_whole_drafter(tiny_target,
     single = write_config(tmp_path / "single.yaml", tiny_target, batch_size=2, max_steps=4, checkpoint_every=2)
     fsdp = write_config(tmp_path / "fsdp.yaml", tiny_target, batch_size=1, max_steps=4, checkpoint_every=2,
                         fsdp=True)
-    subprocess.run([sys.executable, "-m", "flashdraft", "train", "--config", str(single), "--data",
-                    str(tiny_dataset), "--out", str(tmp_path / "one")], check=True, capture_output=True)
+    run_cli("train", "--config", str(single), "--data", str(tiny_dataset), "--out", str(tmp_path / "one"), check=True)
     args = ["train", "--config", str(fsdp), "--data", str(tiny_dataset)]
     proc = torchrun(*args, "--out", str(tmp_path / "two"))
     assert proc.returncode == 0, proc.stderr[-3000:]
