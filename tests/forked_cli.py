@@ -12,7 +12,7 @@ anything read at import time (only FLASHDRAFT_*, AWS_*, PYTEST_* and TORCHINDUCT
 boto3 and torch read those when a command runs), or any subprocess option but `check`, `cwd`, `env` and `timeout`.
 `FLASHDRAFT_TEST_FORK=0` turns the fast path off for a whole run.
 
-    python tests/forked_cli.py SOCKET    # the server: imports, then forks one process per request
+    python tests/forked_cli.py SOCKET PARENT-PID    # the server: imports, then forks one process per request
 """
 
 from __future__ import annotations
@@ -61,12 +61,15 @@ def run_cli(*args: str, check: bool = False, **kwargs) -> subprocess.CompletedPr
 # ---------------------------------------------------------------------------------------------- the server
 
 
-def serve(path: str) -> None:
+def serve(path: str, parent: int) -> None:
     """Import PRELOAD, then for each connection fork a waiter, which forks the command, reports its pid, waits for
     it and reports its exit code. The server itself never runs a command, so each fork starts from the same state."""
     import importlib
 
     from flashdraft.cli.app import quiet_library_progress_bars
+    from flashdraft.guard import die_with_parent
+
+    die_with_parent(parent)  # a pytest worker killed outright leaves no server behind (its forks are not affected)
 
     # Every request's stderr is a pipe, so every command turns the libraries' bars off before importing them; the
     # libraries read that when imported, so it is done here, before they are (the command does it again: a no-op).
@@ -157,12 +160,21 @@ class ForkedCli:
         self.socket = str(root / "cli.sock")
         self.log = root / "server.log"
         self.env = env
-        self.process = subprocess.Popen([sys.executable, __file__, self.socket], stdin=subprocess.DEVNULL,
-                                        stdout=subprocess.PIPE, stderr=self.log.open("wb"), env=self.env)
+        self.process = subprocess.Popen([sys.executable, __file__, self.socket, str(os.getpid())],
+                                        stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=self.log.open("wb"),
+                                        env=self.env)
         if self.process.stdout.readline() != READY:
             self.process.kill()
-            raise RuntimeError(f"the forked-CLI server did not start: {self.log.read_text()[-2000:]}")
-        atexit.register(self.process.kill)
+            raise RuntimeError(f"the forked-CLI server did not start (its log: {self.log}): "
+                               f"{self.log.read_text()[-2000:]}")
+        atexit.register(self.stop, root)
+
+    def stop(self, root: Path) -> None:
+        import shutil
+
+        self.process.kill()
+        self.process.wait()
+        shutil.rmtree(root, ignore_errors=True)  # the socket and the server's log, made by mkdtemp for it alone
 
     def can_run(self, env: dict[str, str], kwargs: dict) -> bool:
         if set(kwargs) - {"cwd", "env", "timeout"} or self.process.poll() is not None:
@@ -219,4 +231,4 @@ def text(data: bytes) -> str:
 
 
 if __name__ == "__main__":
-    serve(sys.argv[1])
+    serve(sys.argv[1], int(sys.argv[2]))

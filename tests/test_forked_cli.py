@@ -5,6 +5,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 
 def fresh(*args: str, **kwargs) -> subprocess.CompletedProcess:
@@ -29,3 +30,25 @@ def test_its_directory_is_the_tests_and_an_import_time_setting_gets_a_fresh_inte
     shown = cli("status", "--config", "flashdraft.yaml", "--json", cwd=tmp_path,
                 env=dict(os.environ, COLUMNS="40"))  # read at import by rich: a fresh interpreter runs it
     assert shown.returncode == 0
+
+
+def test_the_server_ends_with_the_process_that_started_it(tmp_path):
+    """A pytest worker killed outright (SIGKILL: no atexit) leaves no fork server behind."""
+    import signal
+    import time
+
+    from tests.servers import alive
+
+    script = ("import os, sys; sys.path.insert(0, os.getcwd()); from tests import forked_cli; "
+              "forked_cli.run_cli('--help', check=True); print(forked_cli._server.process.pid, flush=True); "
+              "import time; time.sleep(600)")
+    starter = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True,
+                               cwd=Path(__file__).resolve().parents[1])
+    server = int(starter.stdout.readline())
+    assert alive(server)
+    starter.send_signal(signal.SIGKILL)
+    starter.wait()
+    deadline = time.time() + 30
+    while alive(server):
+        assert time.time() < deadline, f"the fork server {server} outlived the process that started it"
+        time.sleep(0.1)

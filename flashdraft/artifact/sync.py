@@ -519,8 +519,8 @@ def _pull_into(store, dst: Path, manifest: Manifest, raw: bytes, earlier: set[st
 # ---------------------------------------------------------------------------------------------- verify
 
 
-def verify_store(store, *, deep: bool = False, jobs: int = 8, remote: tuple[Manifest, bytes] | None = None,
-                 ) -> list[Problem]:
+def verify_store(store, *, deep: bool = False, jobs: int = 8,
+                 remote: tuple[Manifest, bytes] | None = None) -> list[Problem]:
     """Check an artifact where it lives: manifest readable, safe paths, list + checksums (or re-hash). `remote`:
     its manifest as the caller already read it (the objects are checked against that one)."""
     try:

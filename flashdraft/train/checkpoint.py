@@ -291,11 +291,9 @@ def latest_checkpoint(out: Path, lineage: Lineage, log: Callable[[str], None]) -
     for path in checkpoint_dirs(out):
         try:
             checkpoint = open_input(path, "checkpoint", RESUME_REMEDY).verified()
-        except BadInput as e:  # no manifest (killed before its commit) or one that does not parse
-            log(f"train: ignoring incomplete checkpoint {path.name} ({e})")
-            continue
-        except NotVerified as e:
-            log(f"train: ignoring incomplete checkpoint {path.name} ({e.problems[0]})")
+        except (BadInput, NotVerified) as e:  # killed before its commit (no manifest), or a file that differs
+            reason = e.problems[0] if isinstance(e, NotVerified) else f"{MANIFEST}: missing or unreadable"
+            log(f"train: ignoring incomplete checkpoint {path.name} ({reason})")
             continue
         if not checkpoint.manifest.lineage.same_work(lineage):
             log(f"train: ignoring checkpoint {path.name} (made from other data or settings)")

@@ -242,18 +242,15 @@ def already_done(cfg, data, out, log) -> dict | None:
     holds the drafter too."""
     from pathlib import Path
 
-    from flashdraft.artifact.manifest import check_done, read_manifest
-    from flashdraft.artifact.verified import open_input
-    from flashdraft.errors import BadTrainingInput
+    from flashdraft.artifact.manifest import MANIFEST, check_done, read_manifest
     from flashdraft.layout import DRAFTER
     from flashdraft.model.resolve import resolve_model
-    from flashdraft.train.lineage import lineage_of
+    from flashdraft.train.lineage import lineage_of, open_dataset
 
     drafter = Path(out) / DRAFTER
-    if not (drafter / "manifest.json").is_file():
+    if not (drafter / MANIFEST).is_file():
         return None
-    dataset = open_input(data, "dataset", "run `flashdraft tokenize` (again), or pull it again", BadTrainingInput)
-    lineage = lineage_of(cfg, dataset.digest, resolve_model(cfg.target, log=log), cfg.nproc_per_node)
+    lineage = lineage_of(cfg, open_dataset(data).digest, resolve_model(cfg.target, log=log), cfg.nproc_per_node)
     decision = check_done(drafter, lineage)
     if not decision.done:
         return None

@@ -14,7 +14,7 @@ import torch
 
 from flashdraft.artifact.manifest import Lineage, check_done, read_manifest
 from flashdraft.artifact.ownership import adopt, claim_output, mark_output, now_iso, output_lock, refuse_overlap
-from flashdraft.artifact.verified import InputArtifact, open_input
+from flashdraft.artifact.verified import InputArtifact
 from flashdraft.config import TrainConfig
 from flashdraft.errors import BadTrainingInput
 from flashdraft.layout import CHECKPOINTS, DRAFTER
@@ -53,7 +53,7 @@ from flashdraft.train.distributed import (
 from flashdraft.train.drafters import import_drafter, new_drafter
 from flashdraft.train.heldout import evaluate_heldout
 from flashdraft.train.launch import die_with_launcher, run_launched, under_a_launcher, waiting_for_the_launchers_stop
-from flashdraft.train.lineage import run_lineage
+from flashdraft.train.lineage import open_dataset, run_lineage
 from flashdraft.train.loop import Diverged, Setup, all_finite, divergence, loop
 from flashdraft.train.metrics import MetricSinks, truncate_metrics
 from flashdraft.train.optim import build_optimizers
@@ -92,7 +92,7 @@ def _run(cfg: TrainConfig, data: Path, out: Path, require_checkpoint: bool, cons
     where = place(cfg)
     say = log if where.rank == 0 else (lambda s: None)
     # read once, here: the lineage names these manifest bytes, the re-hash checks against them, the stats come from them
-    dataset = open_input(data, "dataset", "run `flashdraft tokenize` (again), or pull it again", BadTrainingInput)
+    dataset = open_dataset(data)
     from flashdraft.model.resolve import resolve_model
 
     target_path = resolve_model(cfg.target, log=say)
