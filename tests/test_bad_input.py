@@ -452,3 +452,20 @@ def test_one_conversation_goes_through_every_stage(cli, tmp_path, tiny_model_dir
     assert read_manifest(work / "dataset").stats["samples"] == 1
     assert read_manifest(work / "train" / "drafter").stats["steps"] == 1
     assert read_manifest(work / "eval").stats["lossless"] is True
+
+
+def test_tokenize_of_an_artifact_with_no_records_or_only_bad_ones_says_which(cli, tmp_path, smollm2_dir):
+    """A generate artifact that holds nothing (every prompt skipped) and one whose only record is unusable: each is
+    one line saying which, and no dataset."""
+    empty, bad = tmp_path / "empty", tmp_path / "bad"
+    for root in (empty, bad):
+        root.mkdir()
+    (bad / "batch-000000.jsonl").write_text(json.dumps({"id": "p0", "messages": [], "content": "x"}) + "\n")
+    for root in (empty, bad):
+        write_manifest(root, build_manifest(root, kind="completions"))
+    said = failed_cleanly(cli("tokenize", "--input", str(empty), "--out", str(tmp_path / "a"), "--tokenizer",
+                              smollm2_dir), "the input holds no records")
+    assert "rejected" not in said and not (tmp_path / "a" / MANIFEST).exists()
+    failed_cleanly(cli("tokenize", "--input", str(bad), "--out", str(tmp_path / "b"), "--tokenizer", smollm2_dir),
+                   "every record was rejected (1 rejected)")
+    assert not (tmp_path / "b" / MANIFEST).exists()

@@ -212,6 +212,8 @@ def drop_seen(chunk: ChunkResult, seen_ids: set[str], block_size: int) -> int:
 def _gate(stats: dict[str, Any], cfg: TokenizeConfig, out: Path) -> None:
     fraction = stats["loss_fraction"]
     kept = f"No manifest was written and {out} was not changed"
+    if stats["samples"] == 0 and stats["rejected"] == 0:
+        raise QualityGateFailed(f"no usable samples: the input holds no records. {kept}")
     if stats["samples"] == 0:
         raise QualityGateFailed(f"no usable samples: every record was rejected ({stats['rejected']} rejected). "
                                 f"{kept}; the reasons: `flashdraft tokenize --input … --out OTHER "
