@@ -179,6 +179,13 @@ class TrainConfig(Section):
     # engine_storage, a directory shared with every training node at the same path (train/engine_features.py)
     engine_urls: list[str] = []
     engine_storage: str | None = None  # engine_urls: the shared directory the servers write into (same path here)
+    # engine_urls: GPUs each fleet server runs tensor-parallel over (its printed command's --tensor-parallel-size);
+    # 0 prints a command for vLLM's CPU build (float32, flashdraft's CPU fixes on its PYTHONPATH: the tests)
+    engine_gpus: Annotated[int, Field(ge=0, le=1024)] = 1
+    # engine_urls: how far a server's states for the fixed probe may be from the ones the trainer computes from the
+    # target's own weights, at each layer the run uses (relative L2 over the probe's tokens). bfloat16 serving alone
+    # moves them up to 3.6 % on SmolLM2-135M (docs/train.md); another model's decoder moves them by tens of %
+    engine_tolerance: Annotated[float, Field(gt=0, le=1)] = 0.1
     # Distillation: the offline cache also keeps the target's top-k next-token log-probabilities at every position,
     # and the loss mixes cross-entropy on them (weight `distill_weight`) with the hard labels'. 0 = hard labels only.
     distill_topk: NonNegative = 0

@@ -312,7 +312,11 @@ def train_checks(tr: TrainConfig) -> list[Check]:
     checks += check_devices([tr.device, tr.target_device], "train")
     if tr.feature_source == "transformers" and (kernels := hybrid_kernels(tr.target)):
         checks.append(kernels)
-    if tr.feature_source == "engine":
+    if tr.engine_urls:
+        from flashdraft.train.fleet import check_fleet
+
+        checks.append(guarded("train feature fleet", lambda: check_fleet(tr)))
+    elif tr.feature_source == "engine":
         from flashdraft.train.engine_features import check_engine_features
 
         checks.append(guarded("train feature engine", lambda: check_engine_features(tr)))

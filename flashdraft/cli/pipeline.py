@@ -79,7 +79,17 @@ def run(
             out.print(f"{stage}: {path} — {state}")
         out.print("preflight:")
         for check in checks:
-            out.print(f"  {check.line()}", soft_wrap=True)
+            out.print(f"  {check.line()}", soft_wrap=True, markup=False, highlight=False)
+        if "train" in stages and cfg.train.engine_urls:  # what to start before train, and in which order
+            from flashdraft.train.fleet import fleet_layers, fleet_recipe, key_path
+
+            out.print("the fleet, started in this order before train:")
+            try:
+                made = False if key_path(cfg.train).exists() else None  # None: made by the first train
+                for line in fleet_recipe(cfg.train, fleet_layers(cfg.train), made):
+                    out.print(f"  {line}", soft_wrap=True, markup=False, highlight=False)
+            except (OSError, ValueError) as e:
+                out.print(f"  cannot name the layers: the target's config is not readable here ({e})")
         if json_out:
             emit_json({"dry_run": True, "stages": planned,
                        "preflight": [{"ok": c.ok, "line": c.line()} for c in checks]})

@@ -214,6 +214,14 @@ class Target:
         state = states_TNH[-1, last].to(self.lm_head.weight.device, self.lm_head.weight.dtype)
         return self.lm_head(self.decoder.norm(state[None]))[0].float().topk(k).indices.tolist()
 
+    def streamed_states(self, input_ids: list[int]) -> torch.Tensor:
+        """T × n × H float32: the states at the source layers (`source_layers`) for one short sequence, computed from
+        the target's checkpoint one decoder layer at a time (model/streamed.py): how a trainer holding no decoder
+        layers proves a fleet's states are the target's."""
+        from flashdraft.model.streamed import streamed_states
+
+        return streamed_states(self.path, self.model, self.source_layers(), input_ids, self.lm_head.weight.device)
+
     @torch.no_grad()
     def features(self, input_ids_BT: torch.Tensor) -> torch.Tensor:
         return self.forward(input_ids_BT)[1]

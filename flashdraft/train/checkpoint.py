@@ -78,16 +78,18 @@ def join_optimizer_state(tensors: dict[str, torch.Tensor], plain: dict) -> dict:
 
 
 def save_checkpoint(out: Path, step: int, state: tuple[dict, dict], optimizers, position: dict,
-                    lineage: Lineage) -> Path:
+                    lineage: Lineage, feature_proof: dict | None = None) -> Path:
     """A checkpoint is an artifact: weights, optimizer + scheduler, data position; committed in one rename.
-    `state`: what `full_state` returned (on rank 0, which alone writes)."""
+    `state`: what `full_state` returned (on rank 0, which alone writes). `feature_proof`: a fleet's proof that the
+    states trained on since the last checkpoint were the target's (train/fleet.py), in its manifest's stats."""
     final = out / CHECKPOINTS / f"step-{step:07d}"
     weights, optimizer_state = state
     optimizer_tensors, optimizer_plain = split_optimizer_state(optimizer_state)
     trainer_state = {"optimizer": optimizer_plain, "scheduler": optimizers.schedule_state()}
     if final.is_dir() and not (final / MANIFEST).is_file():  # what a killed pull left in train's own layout
         shutil.rmtree(final)
-    with commit_dir(final, "checkpoint", stats=position, lineage=lineage) as tmp:
+    stats = {**position, **({"feature_proof": feature_proof} if feature_proof else {})}
+    with commit_dir(final, "checkpoint", stats=stats, lineage=lineage) as tmp:
         write_safetensors({k: v.detach().cpu().contiguous() for k, v in weights.items()}, tmp / "drafter.safetensors")
         write_safetensors(optimizer_tensors, tmp / OPTIMIZER_TENSORS)
         atomic_write_text(tmp / TRAINER_STATE, json.dumps(trainer_state, allow_nan=True))

@@ -113,6 +113,25 @@ def once_a_node(world: int, check: Callable[[], T], elsewhere: Callable[[], T]) 
     return value if first_on_node else elsewhere()
 
 
+def on_rank_zero(world: int, check: Callable[[], T], what: str) -> T | None:
+    """Run `check` on global rank 0 only (re-proving what every rank shares, a fleet's servers) and let every rank
+    know the outcome: rank 0 raises its own error, the others say where to look; no rank goes on past a failure."""
+    failure, value = None, None
+    if int(os.environ.get("RANK", 0)) == 0:
+        try:
+            value = check()
+        except ExpectedFailure as e:
+            failure = e
+    if world > 1:
+        failed = torch.tensor([int(failure is not None)], device=collective_device())
+        torch.distributed.all_reduce(failed, op=torch.distributed.ReduceOp.MAX)
+        if failure is None and failed.item():
+            raise ExpectedFailure(f"{what} failed on rank 0 (its error line says why)")
+    if failure is not None:
+        raise failure
+    return value
+
+
 def agree(world: int, parts: dict[str, str]) -> None:
     """What every process of a run must share (the dataset, the settings, the target, flashdraft's version: each a
     digest), compared once the group is up: a node that joined with another dataset would have its gradients

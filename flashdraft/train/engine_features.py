@@ -27,19 +27,13 @@ On a CPU vLLM's connector needs two runtime fixes outside vLLM's code (flashdraf
 On GPUs the engine runs on the target's devices (`train.target_device`, as CUDA_VISIBLE_DEVICES, tensor-parallel
 over them): written, not yet run on a GPU.
 
-**A target fleet** (`train.engine_urls`): vLLM servers already running — on other hosts, with their own tensor or
-expert parallelism — each started with the command `fleet_command` gives (flashdraft prints it when a server is
-missing or serves other layers). They write the hidden states into `train.engine_storage`, a directory shared with
-this machine at the same path (NFS, a shared volume): vLLM's connector transfers nothing itself. Before any work
-each server is asked for its model list (its served name carries the layers, so a server started for other layers
-is refused by name) and for one short sequence's states, read here from the shared directory. Rows go round-robin
-over the servers; every file is read once and deleted, as with a server flashdraft started.
+**A target fleet** (`train.engine_urls`): vLLM servers already running on other hosts, checked, proven by content
+and keyed in train/fleet.py; their answers are read here as a server flashdraft started is.
 
-**A server is identified by what it computes, not by its name.** Every answer (the fleet's and a server flashdraft
-started) carries the token the server chose after the sequence; the trainer holds the target's final norm and LM
-head, runs them over the last layer's state the server returned, and refuses an answer whose token is not among its
-own top 5. A server of another model of the same shape (the base model beside the instruct one, an older checkpoint)
-passes the name, the shape and the token echo, and fails this on its first answer.
+**Every answer is judged by what it computed**: it carries the token the server chose after the sequence; the
+trainer holds the target's final norm and LM head, runs them over the last layer's state the server returned, and
+refuses an answer whose token is not among its own top 5 — a cheap check on every answer, not the proof (a model
+sharing the target's head passes it; the fleet's proof compares every layer).
 """
 
 from __future__ import annotations
@@ -65,7 +59,6 @@ from flashdraft.config import TrainConfig
 from flashdraft.layout import engines_dir
 from flashdraft.served import (
     SERVED_NAME,
-    VLLM_CPU_FIXES,
     Endpoint,
     EngineFailed,
     ask,
@@ -85,26 +78,10 @@ def engine_python(cfg: TrainConfig) -> Path:
 
 
 def check_engine_features(cfg: TrainConfig) -> str:
-    """Before any work: the vLLM that would serve the target's hidden states is installed, or the fleet's servers
-    answer (with the fleet's key) and their shared directory is here (which layers they serve is checked when the
-    run knows its own)."""
-    if cfg.engine_urls:
-        storage = Path(cfg.engine_storage or "")
-        if not storage.is_dir() or not os.access(storage, os.R_OK | os.W_OK | os.X_OK):
-            raise EngineFailed(f"train.engine_storage {storage}: not a directory this machine can read and delete "
-                               "in (the fleet's servers write their hidden states there)")
-        key = fleet_key(storage)
-        for url in cfg.engine_urls:
-            ask(Endpoint(url=url.rstrip("/"), api_key=key), "/v1/models", deadline_s=10)
-        return f"vllm fleet: {len(cfg.engine_urls)} server(s), hidden states in {storage}"
+    """Before any work: the vLLM train would start to serve the target's hidden states is installed."""
     program = engine_python(cfg)
     check_installed("vllm", program, chosen=cfg.engine_python is not None)
     return f"vllm: {program}"
-
-
-def served_name(layer_ids: list[int]) -> str:
-    """The name a fleet server serves the target under: it says which layers (flashdraft's numbering) it gives."""
-    return f"{SERVED_NAME}-layers-{'-'.join(map(str, layer_ids))}"
 
 
 def extraction_command(python: Path | str, target_dir: str, layer_ids: list[int], where: Path | int,
@@ -127,57 +104,6 @@ def extraction_command(python: Path | str, target_dir: str, layer_ids: list[int]
     else:
         command += ["--enforce-eager"]  # a CPU: no minutes of compiling
     return command
-
-
-FLEET_KEY = ".flashdraft-fleet-key"  # in engine_storage: the fleet's API key, made by the first trainer, mode 0600
-
-
-def fleet_key(storage: Path) -> str:
-    """The fleet's API key, read from `storage` (the directory the servers and the trainers share), made there by
-    the first flashdraft that needs it: a random token in a file only its owner may read. The servers take it from
-    that file into `VLLM_API_KEY` (the command `fleet_command` prints), the trainers send it on every request; it is
-    never on a command line or in a log."""
-    import secrets
-
-    path = storage / FLEET_KEY
-    try:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
-        with os.fdopen(fd, "w") as f:
-            f.write(secrets.token_urlsafe(32) + "\n")
-    except FileExistsError:
-        pass
-    try:
-        with open_regular(path) as f:
-            mode = os.fstat(f.fileno()).st_mode
-            key = f.read(1024).decode("ascii", "replace").strip()
-    except OSError as e:
-        raise EngineFailed(f"the fleet's key {path} cannot be read: {e}") from None
-    if mode & 0o077 or len(key) < 32:
-        raise EngineFailed(f"the fleet's key {path} is readable by others or too short: delete it, and the next "
-                           "train makes a new one (restart the servers with the command it prints)")
-    return key
-
-
-def fleet_command(cfg: TrainConfig, target_dir: str, layer_ids: list[int], url: str, python: str = "python",
-                  gpus: int | None = None) -> str:
-    """The command that starts the fleet server at `url` for this run, as the user copies it (and as the tests start
-    it): it binds that URL's host and port only, takes the fleet's key from the shared directory into VLLM_API_KEY
-    (not onto its command line), and runs tensor-parallel over `gpus` (N where not given). `gpus=0`: vLLM's CPU
-    build, with flashdraft's runtime fixes on its PYTHONPATH and float32."""
-    import shlex
-    from urllib.parse import urlsplit
-
-    parts = urlsplit(url)
-    storage = Path(cfg.engine_storage or "STORAGE")
-    cpu = gpus == 0
-    command = extraction_command(python, target_dir, layer_ids, parts.port or 80, storage, cfg.max_length + 16,
-                                 "float32" if cpu else "bfloat16", [] if cpu else ["GPU"] * (gpus or 1),
-                                 served_name(layer_ids), host=parts.hostname or "HOST")
-    line = shlex.join(command)
-    if gpus is None:
-        line = line.replace("--tensor-parallel-size 1", "--tensor-parallel-size N")
-    env = f'VLLM_API_KEY="$(cat {shlex.quote(str(storage / FLEET_KEY))})"'
-    return (f"PYTHONPATH={shlex.quote(str(VLLM_CPU_FIXES))} " if cpu else "") + f"{env} {line}"
 
 
 class EngineFeatures:
@@ -223,7 +149,7 @@ class EngineFeatures:
                     self.log(f"train: {e}; the sequence goes to {self.endpoints[(turn + k + 1) % len(self.endpoints)]}")
         raise EngineFailed(f"no server of the fleet answered: {'; '.join(tried)}")
 
-    def one(self, ids: list[int], endpoint: Endpoint) -> torch.Tensor:
+    def one(self, ids: list[int], endpoint: Endpoint, judged: bool = True) -> torch.Tensor:
         # the request's id is ours: vLLM names the file after it, so the answer can name only a file of this request
         request, deadline = f"{self.prefix}{uuid.uuid4().hex}", time.monotonic() + ANSWER_DEADLINE_S
         try:
@@ -256,7 +182,7 @@ class EngineFeatures:
             raise EngineFailed(f"{endpoint}: hidden states that are all zero (vLLM before vllm-project/vllm#46301, "
                                "merged 2026-06-21, returns zeros for hybrid Gated-DeltaNet/Mamba targets: serve the "
                                "target with a vLLM that has it)")
-        if self.judge is not None and chosen not in (ours := self.judge(hidden)):
+        if judged and self.judge is not None and chosen not in (ours := self.judge(hidden)):
             raise EngineFailed(
                 f"{endpoint} computes another model than this run's target: after the {len(ids)} tokens sent it chose "
                 f"token {chosen}, which the target's own final norm and LM head over the states it returned do not "
@@ -341,17 +267,9 @@ def open_regular(path: Path):
 def engine_features(cfg: TrainConfig, target_dir: str, layer_ids: list[int], hidden_size: int, devices: list[str],
                     log_path: Path, log: Callable[[str], None], rank: int = 0,
                     judge: Judge | None = None) -> Iterator[EngineFeatures]:
-    """vLLM serving the target's hidden states for the run: the fleet at train.engine_urls, checked first, or a
-    server of its own, stopped (and its files removed) when the block ends. `judge`: the trainer's own top next
+    """vLLM serving the target's hidden states for the run: a server of its own, stopped (and its files removed)
+    when the block ends (a fleet's: train/fleet.py `fleet_features`). `judge`: the trainer's own top next
     tokens from a sequence's states, held against every answer's chosen token (`EngineFeatures.one`)."""
-    if cfg.engine_urls:
-        source = fleet_features(cfg, target_dir, layer_ids, hidden_size, rank, log, judge,
-                                run=str(log_path.parent.resolve()))
-        try:
-            yield source
-        finally:
-            source.pool.shutdown(wait=True)
-        return
     dtype = cfg.target_dtype if cfg.target_dtype != "auto" else ("bfloat16" if devices else "float32")
     storage = Path(tempfile.mkdtemp(prefix="flashdraft-hidden-states-"))  # 0700: ours alone
     env = vllm_cpu_fixes_env()
@@ -372,43 +290,3 @@ def engine_features(cfg: TrainConfig, target_dir: str, layer_ids: list[int], hid
                 source.pool.shutdown(wait=True)
     finally:
         shutil.rmtree(storage, ignore_errors=True)
-
-
-def fleet_features(cfg: TrainConfig, target_dir: str, layer_ids: list[int], hidden_size: int, rank: int,
-                   log: Callable[[str], None], judge: Judge | None = None, run: str = "") -> EngineFeatures:
-    """The fleet's servers, each checked before any work: it serves these layers (by its served name) and one short
-    sequence's states arrive in the shared directory, of the shape this run needs, from the target itself (`judge`:
-    the server's chosen next token among the trainer's top ones; checked again on every request of the run)."""
-    name = served_name(layer_ids)
-    key = fleet_key(Path(cfg.engine_storage or ""))
-    endpoints = [Endpoint(url=url.rstrip("/"), api_key=key) for url in cfg.engine_urls]
-    reported = {}  # what each server says it serves (vLLM's `root`: the model path it loaded)
-    for endpoint in endpoints:
-        start_one = f"start it with: {fleet_command(cfg, target_dir, layer_ids, endpoint.url or '')}"
-        try:
-            models = json.loads(ask(endpoint, "/v1/models", deadline_s=10))["data"]
-            listed = [m.get("id") for m in models]
-        except EngineFailed as e:  # not answering, or answering without our key: the command that starts it right
-            raise EngineFailed(f"{e}; {start_one}") from None
-        except (ValueError, KeyError, TypeError, AttributeError):
-            raise EngineFailed(f"{endpoint}/v1/models: not an OpenAI model list; {start_one}") from None
-        if name not in listed:
-            raise EngineFailed(f"{endpoint} serves {listed}, not {name} (the target's hidden states at layers "
-                               f"{layer_ids}, which this run needs); {start_one}")
-        reported[str(endpoint)] = str(models[listed.index(name)].get("root"))[:500]
-    if len(set(reported.values())) > 1:  # one run, one target: servers that loaded different models are refused
-        raise EngineFailed(f"train.engine_urls: the servers loaded different models under {name}: {reported}")
-    source = EngineFeatures(endpoints, Path(cfg.engine_storage or ""), layer_ids, hidden_size,
-                            "the fleet servers' own logs", name, first=rank, judge=judge, log=log, run=run)
-    source.reported = reported
-    if left := clear_leftovers(source.storage, source.prefix):
-        log(f"train: removed {left} file(s) a stopped run of this rank left in {source.storage}")
-    # fixed sequences to each server: a model of the same shape with other weights chooses other next tokens
-    try:  # each server itself, not retried on another: this is the check that every one of them is right
-        list(source.pool.map(source.one, [PROBE] * len(endpoints), endpoints))
-    except EngineFailed as e:
-        source.pool.shutdown(wait=True)
-        raise EngineFailed(f"train.engine_urls: {e}") from None
-    log(f"train: target features from {len(endpoints)} vLLM server(s) ({', '.join(map(str, endpoints))}), layers "
-        f"{[i + 1 for i in layer_ids]} in their numbering, through {source.storage}")
-    return source

@@ -37,6 +37,7 @@ from flashdraft.train.distributed import (
     Placement,
     barrier,
     collective_device,
+    on_rank_zero,
 )
 from flashdraft.train.heldout import evaluate_heldout
 from flashdraft.train.metrics import MetricSinks, json_rates, mean_rates, selector_metrics
@@ -122,9 +123,11 @@ def loop(cfg: TrainConfig, s: Setup, position: dict, sinks: MetricSinks, shipper
                     sinks.log({"step": step, "heldout": held})
                     if not all_finite(s.drafter, world):  # never a checkpoint to resume into NaN from
                         raise Diverged(divergence(cfg, step, "its update left weights that are not finite", out))
+                    # a fleet's servers proven the target's again: a checkpoint only on states proven since the last
+                    proof = features_proven(s, step, world, out)
                     state = full_state(s.model, s.optimizers)  # every rank: FSDP gathers its shards
                     if rank == 0:
-                        saved = save_checkpoint(out, step, state, s.optimizers, position, lineage)
+                        saved = save_checkpoint(out, step, state, s.optimizers, position, lineage, proof)
                         shipper.checkpoint(saved)
                     barrier(world)
             else:
@@ -132,6 +135,25 @@ def loop(cfg: TrainConfig, s: Setup, position: dict, sinks: MetricSinks, shipper
     if prefetcher is not None:
         prefetcher.shutdown(wait=True)
     return position, last, held_at
+
+
+def features_proven(s: Setup, step: int, world: int, out: Path) -> dict | None:
+    """Before a checkpoint: where the target's states come from a fleet (train/fleet.py), every server answers the
+    probe with the target's states again, checked once (rank 0) for every rank; the proof, for the checkpoint's
+    manifest. A server that no longer does stops the run here, and the last checkpoint stays the last good one."""
+    source = getattr(s.target, "source", None)
+    if source is None or not hasattr(source, "prove"):
+        return None
+
+    def prove() -> dict:
+        try:
+            return source.prove(step)
+        except ExpectedFailure as e:
+            newest = next(iter(checkpoint_dirs(out)), None)
+            raise type(e)(f"{e} — stopped before the checkpoint at step {step}" + (
+                f"; {newest.name}, trained on proven states, stays the newest" if newest else "")) from None
+
+    return on_rank_zero(world, prove, "the fleet's proof before the checkpoint")
 
 
 class Diverged(ExpectedFailure):

@@ -134,7 +134,11 @@ def _run(cfg: TrainConfig, data: Path, out: Path, require_checkpoint: bool, cons
     if cfg.distill_topk and cfg.features != "offline":
         raise BadTrainingInput("train.distill_topk reads the target's top-k from the offline feature cache: "
                                "set train.features: offline (or distill_topk: 0)")
-    if cfg.feature_source == "engine":
+    if cfg.engine_urls:
+        from flashdraft.train.fleet import check_fleet
+
+        say(f"train: feature source {check_fleet(cfg)}")
+    elif cfg.feature_source == "engine":
         from flashdraft.train.engine_features import check_engine_features
 
         say(f"train: feature source {check_engine_features(cfg)}")
@@ -189,6 +193,8 @@ def train_from(cfg: TrainConfig, data: InputArtifact, out: Path, target_path: st
     }
     if (source := getattr(s.target, "source", None)) is not None and source.reported:  # which models gave the states
         stats["feature_servers"] = source.reported
+    if source is not None and getattr(source, "proof", None):  # the fleet's last proof, before the last checkpoint
+        stats["feature_proof"] = source.proof
     shipper.drafter(save_drafter(final, drafter_dir, stats=stats, lineage=lineage, dtype=cfg.export_dtype,
                                  target_lm_head=s.target.lm_head.weight))
     shipper.wait()
@@ -253,13 +259,19 @@ def setup(cfg: TrainConfig, data: InputArtifact, out: Path, target_path: str, wh
     target.watch(drafter.target_layer_ids)
     if cfg.feature_source == "engine":  # its features come from vLLM from here on, online and offline alike
         from flashdraft.train.engine_features import engine_features
+        from flashdraft.train.fleet import fleet_features
 
         assert running is not None, "the engine is stopped with the run: setup needs the run's ExitStack"
         devices = [d for d in where.target_device.split(",") if d.startswith("cuda")]
         log_name = "engine-vllm.log" if where.world == 1 else f"engine-vllm-{where.rank}.log"
-        target.use(running.enter_context(engine_features(cfg, target_path, target.source_layers(),
-                                                         target.config.hidden_size, devices, out / log_name, say,
-                                                         rank=where.rank, judge=target.top_next_tokens)))
+        layers, width = target.source_layers(), target.config.hidden_size
+        if cfg.engine_urls:  # a fleet on other hosts: proven against the target's own weights before any work
+            source = fleet_features(cfg, target_path, layers, width, devices, out / log_name, say, rank=where.rank,
+                                    judge=target.top_next_tokens, reference=target.streamed_states)
+        else:
+            source = engine_features(cfg, target_path, layers, width, devices, out / log_name, say, rank=where.rank,
+                                     judge=target.top_next_tokens)
+        target.use(running.enter_context(source))
     cache = None
     if cfg.features == "offline":
         from flashdraft.train.feature_cache import offline_features

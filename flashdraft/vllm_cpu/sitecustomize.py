@@ -60,8 +60,13 @@ if importlib.util.find_spec("vllm") is not None:
         except ImportError:  # another vLLM layout: its own CPU stand-ins apply
             pass
         try:
-            import vllm._C  # noqa: F401  (registers torch.ops._C, which the stand-in calls)
+            # registers torch.ops._C, which the stand-in calls: vLLM's own choice of the kernels built for this CPU
+            # (AVX-512 with BF16, AVX-512, or AVX2) — `import vllm._C` alone loads the AVX-512-BF16 build, which dies
+            # with SIGILL on a CPU without it (an AMD EPYC with AVX2 only, seen here)
+            from vllm.platforms.cpu import CpuPlatform
             from vllm.utils import cpu_triton_utils
+
+            CpuPlatform.import_kernels()
 
             if leaves_floats_unwritten(cpu_triton_utils._expand_kernel_impl):
                 # read when the CPU platform registers its stand-ins, after this module has run

@@ -58,7 +58,7 @@ def fleet(tmp_path, engine_target):
     """A vLLM server already running, as a target fleet's are: started with the command train prints for it (here on
     a loopback port, vLLM's CPU build), writing hidden states into a directory shared with the trainer, answering
     only requests that carry the fleet's key."""
-    from flashdraft.train.engine_features import fleet_command, fleet_key
+    from flashdraft.train.fleet import fleet_command, fleet_key
     from tests.servers import free_port_block, http_server
 
     storage = tmp_path / "shared"
@@ -66,14 +66,28 @@ def fleet(tmp_path, engine_target):
     port = free_port_block(1)[0]
     url = f"http://127.0.0.1:{port}"
     cfg = TrainConfig(target=engine_target, **SETTINGS, feature_source="engine", engine_urls=[url],
-                      engine_storage=str(storage))
+                      engine_storage=str(storage), engine_gpus=0)
     fleet_key(storage)  # made by the first flashdraft that needs it (train, or its preflight)
-    line = fleet_command(cfg, engine_target, [0, 3], url, python=str(VLLM), gpus=0)
+    line = fleet_command(cfg, [0, 3], url, python=str(VLLM))
     assert "--host 127.0.0.1" in line and "--api-key" not in line  # the key is not on its command line
     env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1")
     with http_server(["bash", "-c", line], port, tmp_path / "fleet-vllm.log", 600, env=env) as served:
         assert served == url
         yield url, storage
+
+
+def same_head_other_decoder(target: str, path: Path) -> str:
+    """The target with its last decoder layer changed, its embedding, final norm and LM head kept."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32)
+    torch.manual_seed(2)
+    with torch.no_grad():
+        for p in model.model.layers[-1].parameters():
+            p.add_(torch.randn_like(p) * p.std().clamp_min(1e-3) * 0.5)
+    model.save_pretrained(path)
+    AutoTokenizer.from_pretrained(target).save_pretrained(path)
+    return str(path)
 
 
 def same_shape_other_weights(target: str, path: Path) -> str:
@@ -134,20 +148,24 @@ def test_a_target_fleet_gives_the_targets_distribution_too(tmp_path, engine_targ
     recipe = dict(labels="target", distill_topk=4, features="offline")
     wrong = TrainConfig(target=engine_target, **{**SETTINGS, "target_layer_ids": [1, 3]}, **recipe,
                         feature_source="engine", **shared)
-    with pytest.raises(EngineFailed, match=r"not target-layers-1-3 .* start it with: VLLM_API_KEY=.* -m vllm"):
+    with pytest.raises(EngineFailed, match=r"not target-layers-1-3 .* start the fleet, in this order: 1\. the "
+                                           r"fleet's key: .* 2\. on 127\.0\.0\.1: if VLLM_API_KEY=.* -m vllm"):
         run(wrong, chat_dataset, tmp_path / "wrong", log=print)
     assert not (tmp_path / "wrong" / "features").exists()  # refused before any work
 
-    # Another model of the same shape (another checkpoint, a colleague's fine-tune): the served name, the shape and
-    # the token echo all pass; what it computes does not — the trainer's own head disagrees with the server's choice.
-    impostor = TrainConfig(target=same_shape_other_weights(engine_target, tmp_path / "other"), **SETTINGS, **recipe,
-                           feature_source="engine", **shared)
-    with pytest.raises(EngineFailed, match=r"computes another model than this run's target: .* top 5"):
-        run(impostor, chat_dataset, tmp_path / "impostor", log=print)
-    assert not (tmp_path / "impostor" / "features").exists()
-    # the refused answer's file is left where it is: a failure path deletes nothing (it may not be ours)
+    # Another model of the same shape (another checkpoint, a colleague's fine-tune): the served name and the shape
+    # pass; what it computes does not. And a model that shares the target's embedding, final norm and head but not
+    # its decoder (the server's next token agrees with the trainer's head): its states at layer 3 are not the target's.
+    # Here the trainer holds the other weights and vLLM the target: the same comparison, one server.
+    for other, layer in [(same_shape_other_weights(engine_target, tmp_path / "other"), 0),
+                         (same_head_other_decoder(engine_target, tmp_path / "decoder"), 3)]:
+        impostor = TrainConfig(target=other, **SETTINGS, **recipe, feature_source="engine", **shared)
+        with pytest.raises(EngineFailed, match=rf"{url} does not compute this run's target: its states at layer "
+                                               rf"{layer} differ"):
+            run(impostor, chat_dataset, tmp_path / f"impostor-{layer}", log=print)
+        assert not (tmp_path / f"impostor-{layer}" / "features").exists()
     refused = sorted(p.name for p in storage.iterdir() if p.name != ".flashdraft-fleet-key")
-    assert len(refused) == 2 and refused[0].startswith("cmpl-flashdraft-") and refused[1].endswith(".lock")
+    assert refused == []  # the probe's answers were this run's own files, read whole: deleted
 
     trains_as_transformers_do(tmp_path, chat_dataset, dict(target=engine_target, **SETTINGS, **recipe), **shared)
     # the drafter's manifest says which model each server loaded, as it reported it
@@ -270,16 +288,19 @@ def test_an_engines_file_is_read_within_bounds_and_only_when_it_is_this_requests
 
 def test_the_fleets_key_lives_in_the_shared_directory_for_its_owner_alone(tmp_path):
     """Made once (0600), read back the same by every trainer; a key file others can read is refused; the printed
-    server command takes it from the file into VLLM_API_KEY, binds the host its URL names and says N GPUs."""
-    from flashdraft.train.engine_features import FLEET_KEY, fleet_command, fleet_key
+    server command takes it from the file into VLLM_API_KEY, binds the host its URL names, runs on
+    train.engine_gpus GPUs, and names the target as the config does."""
+    from flashdraft.train.fleet import FLEET_KEY, fleet_command, fleet_key
 
     key = fleet_key(tmp_path)
     assert fleet_key(tmp_path) == key and len(key) >= 32
     assert (tmp_path / FLEET_KEY).stat().st_mode & 0o777 == 0o600
-    cfg = TrainConfig(feature_source="engine", engine_urls=["http://10.1.2.3:8100"], engine_storage=str(tmp_path))
-    line = fleet_command(cfg, "/models/target", [1, 9], "http://10.1.2.3:8100")
-    assert key not in line and f'VLLM_API_KEY="$(cat {tmp_path / FLEET_KEY})"' in line
-    assert "--host 10.1.2.3 --port 8100" in line and "--tensor-parallel-size N" in line and "0.0.0.0" not in line
+    cfg = TrainConfig(target="Qwen/Qwen3.6-27B", feature_source="engine", engine_urls=["http://10.1.2.3:8100"],
+                      engine_storage=str(tmp_path), engine_gpus=2)
+    line = fleet_command(cfg, [1, 9], "http://10.1.2.3:8100")
+    assert key not in line and f'if VLLM_API_KEY="$(cat {tmp_path / FLEET_KEY})"' in line
+    assert "--host 10.1.2.3 --port 8100" in line and "--tensor-parallel-size 2" in line and "0.0.0.0" not in line
+    assert "--model Qwen/Qwen3.6-27B" in line
     (tmp_path / FLEET_KEY).chmod(0o644)
     with pytest.raises(EngineFailed, match="readable by others"):
         fleet_key(tmp_path)
