@@ -183,9 +183,10 @@ class TrainConfig(Section):
     # 0 prints a command for vLLM's CPU build (float32, flashdraft's CPU fixes on its PYTHONPATH: the tests)
     engine_gpus: Annotated[int, Field(ge=0, le=1024)] = 1
     # engine_urls: how far a server's states for the fixed probe may be from the ones the trainer computes from the
-    # target's own weights, at each layer the run uses (relative L2 over the probe's tokens). bfloat16 serving alone
-    # moves them up to 3.6 % on SmolLM2-135M (docs/train.md); another model's decoder moves them by tens of %
-    engine_tolerance: Annotated[float, Field(gt=0, le=1)] = 0.1
+    # target's own weights, at each layer the run uses (relative L2 over the probe's tokens). bfloat16 serving of the
+    # target itself differs by up to 7.8 % on SmolLM2-135M; every decoder matrix off by 5 % of its spread, by 24 %
+    # (benchmarks/fleet_proof_bench.py)
+    engine_tolerance: Annotated[float, Field(gt=0, le=1)] = 0.15
     # Distillation: the offline cache also keeps the target's top-k next-token log-probabilities at every position,
     # and the loss mixes cross-entropy on them (weight `distill_weight`) with the hard labels'. 0 = hard labels only.
     distill_topk: NonNegative = 0

@@ -19,9 +19,11 @@ from pathlib import Path
 from typing import Any
 
 from flashdraft.config import EMBEDDED_TARGET, PipelineConfig, TrainConfig
+from flashdraft.engine_estimate import engine_lines, engine_load
 from flashdraft.errors import BadInput
 from flashdraft.model.drafter import uniform_layer_ids
 from flashdraft.model.target import linear_attention_layers
+from flashdraft.progress import human_bytes
 from flashdraft.train.feature_cache import TEACHER_BYTES, feature_bytes
 
 # A Gated-DeltaNet layer's shape: TargetShape's field ← the config's key (Qwen3.5/3.6)
@@ -366,12 +368,9 @@ def estimate(
     }
     # train.feature_source: engine — every sequence's states at the watched layers cross the shared directory once
     # (the engine writes them in bfloat16, the trainer reads and deletes them), at the pace of the steps
-    shared = None
-    if tr.feature_source == "engine":
-        per_sequence = int(per_sample * len(layer_ids) * shape.hidden * 2)
-        shared = {"bytes_per_sequence": per_sequence,
-                  "bytes_per_s": int(per_sequence * tr.batch_size * procs * max(1, tr.nnodes) / step_s),
-                  "hours": round(steps * step_s / 3600, 1)}
+    largest_layer = max(target_layer_params(shape), linear_layer_params(shape) if shape.linear_attention_layers else 0)
+    shared, probe = engine_load(tr, shape.layers, shape.hidden, per_sample, layer_ids, step_s, steps,
+                                2 * total_params, largest_layer)
     fits = None
     if train_hours is not None:
         fit_steps = int(train_hours * 3600 / step_s)
@@ -406,19 +405,12 @@ def estimate(
         "train_gpu_hours": round(hours * procs, 1),
         "train_fits": fits,
         "shared_directory": shared,
+        "fleet_probe": probe,
         "eval_hours": round(eval_tokens / EVAL_TOKENS_PER_S / 3600, 2),
         "target": {"layers": shape.layers, "hidden": shape.hidden, "vocab": shape.vocab, "from": shape.source,
                    "linear_attention_layers": shape.linear_attention_layers},
         "target_layer_ids": layer_ids,
     }
-
-
-def human_bytes(n: float) -> str:
-    for unit in ("B", "KB", "MB", "GB", "TB", "PB"):
-        if n < 1000 or unit == "PB":
-            return f"{n:,.0f} {unit}" if unit == "B" else f"{n:,.1f} {unit}"
-        n /= 1000
-    raise AssertionError("unreachable")
 
 
 def describe(est: dict[str, Any], cfg: PipelineConfig) -> list[str]:
@@ -462,7 +454,7 @@ def describe(est: dict[str, Any], cfg: PipelineConfig) -> list[str]:
            "(flash-linear-attention, or vLLM with train.feature_source: engine): on transformers' reference loop a "
            "step is about 1.7× longer" if est["target"]["linear_attention_layers"] else "") + ")",
         *fit_line(est),
-        *shared_directory_line(est, cfg),
+        *engine_lines(est, cfg),
         f"eval: ≈ {est['eval_hours']} hours ({len(cfg.eval.sources)} prompt set(s) × {cfg.eval.max_prompts} prompts "
         f"× {cfg.eval.max_new_tokens} tokens a turn, "
         f"speculative and target-only, at ~{EVAL_TOKENS_PER_S:.0f} tokens/s: eval's HF decoding measured on an H200)",
@@ -490,18 +482,6 @@ def gpu_lines(est: dict[str, Any], cfg: PipelineConfig) -> list[str]:
         "(a chunk of rows at a time, whatever the rows); bfloat16, FlexAttention (the formula is held to peaks "
         "measured on a CPU; written, not yet checked against a GPU)",
     ]
-
-
-def shared_directory_line(est: dict[str, Any], cfg: PipelineConfig) -> list[str]:
-    """With the engine as the feature source: what the shared directory must sustain for the whole run."""
-    shared = est.get("shared_directory")
-    if not shared:
-        return []
-    return [f"shared directory (train.engine_storage): {human_bytes(shared['bytes_per_sequence'])} a sequence "
-            f"(its tokens × {len(est['target_layer_ids'])} layers × {est['target']['hidden']:,} × 2 bytes), written "
-            f"by the engine and read by the trainer at ≈ {human_bytes(shared['bytes_per_s'])}/s sustained for ≈ "
-            f"{shared['hours']:,} hours: a local NVMe directory beside the engine, or a parallel filesystem (Lustre, "
-            "GPFS, WEKA) that sustains it; each file is deleted once read, so little of it is held at a time"]
 
 
 def cut_line(est: dict[str, Any], cfg: PipelineConfig) -> str:

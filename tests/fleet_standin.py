@@ -29,6 +29,7 @@ class StandIn:
         self.requests: list[list[int]] = []  # every sequence asked for, in order
         # (probes, model): after answering that many probes (flashdraft's fixed proof sequence), serve that model
         self.swap_after_probes: tuple[int, str] | None = None
+        self.version = "0.32.0"  # what /version says
         self.lock = threading.Lock()  # one answer at a time: the hooks are the model's, shared by every thread
         self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), self.handler())
         self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
@@ -76,6 +77,8 @@ class StandIn:
                 return False
 
             def do_GET(self):
+                if self.path == "/version":  # open, as vLLM's is
+                    return self.reply(200, {"version": standin.version})
                 if self.authorised():
                     self.reply(200, {"data": [{"id": standin.name, "root": standin.model_dir}]})
 

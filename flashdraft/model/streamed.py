@@ -26,6 +26,7 @@ from pathlib import Path
 import torch
 
 from flashdraft.errors import BadInput
+from flashdraft.model.families import language_model
 
 
 class Checkpoint:
@@ -106,8 +107,6 @@ def streamed_states(target_dir: str, target_model: torch.nn.Module, layer_ids: l
     checkpoint in memory at a time. `target_model`: the trainer's target without decoder layers (model/target.py
     `load_without_layers`), whose embedding the sequence enters through."""
     from transformers import AutoConfig, AutoModelForCausalLM
-
-    from flashdraft.model.target import language_model
 
     checkpoint = Checkpoint(target_dir)
     prefix = decoder_prefix(checkpoint)

@@ -17,23 +17,8 @@ from transformers.modeling_outputs import BaseModelOutput
 
 from flashdraft.errors import BadInput
 from flashdraft.model.drafter import DFlashDrafter
+from flashdraft.model.families import language_model
 from flashdraft.model.transfer import to_device
-
-
-def language_model(model: torch.nn.Module) -> tuple[torch.nn.Module, torch.nn.Module, object]:
-    """(decoder, LM head, text config) of a causal LM, wherever its language model lives: `model.model`
-    (Llama, Qwen3, MoE, and what AutoModelForCausalLM makes of a Qwen3.5/3.6 checkpoint) or
-    `model.model.language_model` / `model.language_model` (VLM wrappers). The decoder has `.layers` and is
-    called with `input_ids`; the text config has the hidden size, layers, heads, vocab and RoPE."""
-    inner = getattr(model, "model", None)
-    candidates = [getattr(inner, "language_model", None), inner, getattr(model, "language_model", None)]
-    decoder = next((m for m in candidates if m is not None and hasattr(m, "layers")), None)
-    head = model.get_output_embeddings()
-    if decoder is None or head is None:
-        missing = "decoder layers (model.layers, model.language_model.layers)" if decoder is None else "LM head"
-        raise BadInput(f"{type(model).__name__}: cannot find its {missing}; flashdraft handles causal LMs such "
-                       "as Llama, Qwen3, Qwen3-MoE and Qwen3.5/3.6 (text-only or VLM-wrapped)")
-    return decoder, head, model.config.get_text_config()
 
 
 def attention_layers(decoder: torch.nn.Module) -> list[torch.nn.Module]:

