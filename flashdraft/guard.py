@@ -39,6 +39,56 @@ def die_with_parent(parent_pid: int, sig: int = signal.SIGTERM) -> None:
         os.kill(os.getpid(), sig)
 
 
+LAUNCHER_PID = "FLASHDRAFT_LAUNCHER_PID"  # the launcher a training process must not outlive, recorded at its start
+TORCHRUN = ("torchrun", "torch.distributed.run", "torch.distributed.launch")  # in torchrun's command line
+
+
+def launcher_line(launcher: int) -> str:
+    return (f"flashdraft: this training process's launcher (pid {launcher}) is gone: stopped before any work "
+            "(a process that outlived torchrun would train and push beside the run that replaced it)\n")
+
+
+def is_torchrun(pid: int) -> bool:
+    """Whether process `pid` is torchrun, by its command line (True where /proc cannot tell)."""
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            words = f.read().decode("utf-8", "replace").replace("\0", " ")
+    except OSError:
+        return not os.path.isdir("/proc")
+    return any(name in words for name in TORCHRUN)
+
+
+def bind_to_launcher(environ=os.environ) -> None:
+    """First thing in a training process (`python -m flashdraft`, before its seconds of imports): the launcher it must
+    not outlive is fixed now — flashdraft's own names itself in FLASHDRAFT_LAUNCHER_PID; torchrun is the parent this
+    process was started by, recorded there — and the kernel is asked for SIGTERM when it dies. One already gone (killed
+    while this interpreter started: its parent is now a reaper, not torchrun) ends this process at once, in one line;
+    one that dies during the imports ends it with that line too (the command's own handler replaces this one)."""
+    if "WORLD_SIZE" not in environ or "LOCAL_RANK" not in environ:
+        return
+    recorded = environ.get(LAUNCHER_PID, "")
+    if recorded.isdigit():
+        launcher = int(recorded)
+    elif "TORCHELASTIC_RUN_ID" in environ:
+        launcher = os.getppid()
+        if not is_torchrun(launcher):
+            sys.stderr.write(launcher_line(launcher))
+            os._exit(1)
+        environ[LAUNCHER_PID] = str(launcher)  # what every later check compares with (train/launch.py)
+    else:
+        return
+
+    def stopped(*_):
+        sys.stderr.write(launcher_line(launcher))
+        raise SystemExit(128 + signal.SIGTERM)
+
+    signal.signal(signal.SIGTERM, stopped)
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, int(signal.SIGTERM), 0, 0, 0)
+    if os.getppid() != launcher:  # it died between the read and the request
+        sys.stderr.write(launcher_line(launcher))
+        os._exit(1)
+
+
 def group_members(group: int) -> list[int]:
     """The pids of the processes in process group `group`, this one excluded (read from /proc)."""
     found = []

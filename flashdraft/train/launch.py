@@ -25,6 +25,7 @@ import uuid
 from contextlib import contextmanager, nullcontext
 
 from flashdraft.errors import ExpectedFailure
+from flashdraft.guard import LAUNCHER_PID  # set by launch() for its processes, or recorded at their start
 
 
 class TrainProcessFailed(ExpectedFailure):
@@ -36,7 +37,6 @@ def under_a_launcher() -> bool:
     return "WORLD_SIZE" in os.environ and "LOCAL_RANK" in os.environ
 
 
-LAUNCHER_PID = "FLASHDRAFT_LAUNCHER_PID"  # set by launch() for its processes: whose death ends them
 PEER_STOP_GRACE_S = 10.0  # the launcher sees a process end within a second and stops the others at once
 
 
@@ -77,9 +77,9 @@ def die_with_launcher() -> None:
 
     if not under_a_launcher():
         return
-    if os.environ.get(LAUNCHER_PID, "").isdigit():
+    if os.environ.get(LAUNCHER_PID, "").isdigit():  # recorded at the interpreter's start (guard.bind_to_launcher)
         die_with_parent(int(os.environ[LAUNCHER_PID]))
-    elif "TORCHELASTIC_RUN_ID" in os.environ:  # torchrun's: its agent started this process
+    elif "TORCHELASTIC_RUN_ID" in os.environ:  # torchrun running a script of the user's that calls train: its best
         die_with_parent(os.getppid())
 
 
