@@ -55,13 +55,15 @@ def head_terms(hidden_SD: torch.Tensor, head_VD: torch.Tensor, *, labels_S: torc
                bias: Callable[[int, int], torch.Tensor] | None = None,
                teacher: tuple[torch.Tensor, torch.Tensor] | None = None,
                target_probs: Callable[[int, int], torch.Tensor] | None = None,
-               top_c: int = 0, chunk_rows: int | None = None) -> RowTerms:
+               top_c: int = 0, chunk_rows: int | None = None, bf16: bool = False) -> RowTerms:
     """The per-row terms of `hidden_SD @ head_VD.T`, never holding more than `chunk_rows` rows of logits.
 
     `transform`: applied to the head's logits (DFlash2's multiplier and softcap). `bias(start, stop)`: added after it
     (DSpark's Markov bias of those rows, V wide). `teacher`: (ids S × k in the scored vocabulary, −1 for a token
     outside it; log-probs S × k), for `soft_ce`. `target_probs(start, stop)`: the target's next-token probabilities
-    over the scored vocabulary for those rows, for `l1`. `top_c`: also the top-C candidates and their logits."""
+    over the scored vocabulary for those rows, for `l1`. `top_c`: also the top-C candidates and their logits.
+    `bf16` (`train.bf16`): the head's logits (and `transform`) in bfloat16 under autocast, as the drafter's own
+    matmuls; everything after them — the bias, softmaxes, the terms — in float32, as the dense loss computed them."""
     rows = hidden_SD.shape[0]
     chunk = chunk_rows or chunk_rows_for(head_VD.shape[0])
     teacher_probs = None
@@ -70,9 +72,10 @@ def head_terms(hidden_SD: torch.Tensor, head_VD: torch.Tensor, *, labels_S: torc
         teacher_probs = torch.softmax(logprobs_Sk.float().masked_fill(ids_Sk < 0, float("-inf")), -1).nan_to_num(0.0)
 
     def terms(start: int, stop: int) -> tuple[torch.Tensor, ...]:
-        logits = torch.nn.functional.linear(hidden_SD[start:stop], head_VD)
-        if transform is not None:
-            logits = transform(logits)
+        with torch.autocast(hidden_SD.device.type, dtype=torch.bfloat16, enabled=bf16):
+            logits = torch.nn.functional.linear(hidden_SD[start:stop], head_VD)
+            if transform is not None:
+                logits = transform(logits)
         if bias is not None:
             logits = logits + bias(start, stop).to(logits.dtype)
         full = logits.float()

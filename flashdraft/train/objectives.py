@@ -20,6 +20,11 @@ from flashdraft.train.loss import head_terms, target_probs_from_hidden, target_p
 from flashdraft.train.plan import Blocks, Planned
 
 
+def bf16_matmuls(cfg: TrainConfig, device) -> bool:
+    """`train.bf16`: the drafter's matmuls and the LM head's logits in bfloat16 (autocast); default on CUDA only."""
+    return str(device).startswith("cuda") if cfg.bf16 is None else cfg.bf16
+
+
 def sequence_result(drafter: DFlashDrafter, cfg: TrainConfig, plan: Planned, blocks: Blocks, b: int,
                     heads: tuple, hidden: torch.Tensor, device) -> dict:
     """Live sequence `b` of a micro-batch: its loss (with grad) and its stats, device tensors not yet read. The
@@ -37,7 +42,7 @@ def sequence_result(drafter: DFlashDrafter, cfg: TrainConfig, plan: Planned, blo
     hidden_SD = hidden[b, : n * k]
     terms = head_terms(hidden_SD, heads[0], labels_S=labels.reshape(-1), transform=drafter.unary_logits,
                        teacher=teacher_rows(drafter, plan.teachers[b], anchors, k, device) if distill else None,
-                       top_c=drafter.selector_top_k if is_dflash2(drafter) else 0)
+                       top_c=drafter.selector_top_k if is_dflash2(drafter) else 0, bf16=bf16_matmuls(cfg, device))
     ce = terms.ce
     if cfg.loss == "dpace":  # the weights follow the draft's own (detached) confidence in each label
         weights = hard_weights = dpace_weights(ce.view(n, k), hard_weights > 0, cfg.dpace_alpha).to(weights.dtype)
@@ -89,7 +94,7 @@ def dspark_result(drafter, cfg: TrainConfig, plan: Planned, blocks: Blocks, b: i
     hard = weights * inside
     q = target_probs(drafter, plan, b, blocks.positions_BNK[b, :n], heads, device)
     terms = head_terms(hidden_NKD.reshape(n * k, -1), heads[0], labels_S=draft_labels.reshape(-1), bias=bias,
-                       target_probs=q)
+                       target_probs=q, bf16=bf16_matmuls(cfg, device))
     ce = terms.ce.view(n, k)
     weighted = cfg.dspark_ce_weight * (ce * hard).sum()
     extra = {}

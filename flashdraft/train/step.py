@@ -19,7 +19,7 @@ from flashdraft.model.objective import (
 )
 from flashdraft.model.target import Target
 from flashdraft.model.transfer import to_device
-from flashdraft.train.objectives import dspark_result, sequence_result
+from flashdraft.train.objectives import bf16_matmuls, dspark_result, sequence_result
 from flashdraft.train.plan import Planned, build_batch_blocks, plan_batch
 
 # Under CPU autocast (`train.bf16`) a norm gets bfloat16 input and keeps its float32 weight; torch then computes
@@ -64,19 +64,23 @@ def batch_step(model, target: Target, rows: list, cfg: TrainConfig, generators: 
         allowed = block_masks(anchors_BN if len(live) > 1 else anchors_BN[0], k, context_len,
                               drafter.sliding_window, device)
     on_cuda = str(device).startswith("cuda")
-    bf16 = on_cuda if cfg.bf16 is None else cfg.bf16
+    bf16 = bf16_matmuls(cfg, device)
     with torch.autocast("cuda" if on_cuda else "cpu", dtype=torch.bfloat16, enabled=bf16), \
             record_function("flashdraft.forward"):
         hidden = model(block_embeds, features_BCF, to_device(blocks.positions_BNK.view(len(live), -1), device),
                        torch.arange(context_len, device=device)[None].expand(len(live), -1), allowed)
-        # the LM head beside the drafter (a bfloat16 target without autocast: a float32 copy)
-        head_dtype = None if bf16 or embed.weight.dtype == hidden.dtype else hidden.dtype
-        heads = target.heads_beside(drafter, device, head_dtype)
-        with record_function("flashdraft.loss"):
-            dspark = is_dspark(drafter)
-            for b, (i, *_) in enumerate(live):
-                results[i] = (dspark_result(drafter, cfg, plan, blocks, b, heads, hidden, device) if dspark
-                              else sequence_result(drafter, cfg, plan, blocks, b, heads, hidden, device))
+    # The loss outside autocast, as the dense loss was: the LM head's logits in bfloat16 under `train.bf16`
+    # (head_terms), every small head (DSpark's Markov and confidence heads, DFlash2's selector) and every term in
+    # float32 — in bfloat16 those heads' outputs tie and their gradients move (measured: 5.8 % of markov_w2's).
+    hidden = hidden.float()
+    # the LM head beside the drafter (a bfloat16 target without autocast: a float32 copy)
+    head_dtype = None if bf16 or embed.weight.dtype == hidden.dtype else hidden.dtype
+    heads = target.heads_beside(drafter, device, head_dtype)
+    with record_function("flashdraft.loss"):
+        dspark = is_dspark(drafter)
+        for b, (i, *_) in enumerate(live):
+            results[i] = (dspark_result(drafter, cfg, plan, blocks, b, heads, hidden, device) if dspark
+                          else sequence_result(drafter, cfg, plan, blocks, b, heads, hidden, device))
     return read_results(results)[0] if read else results
 
 
