@@ -8,7 +8,8 @@
 Before it, a stage read `manifest.json` again at each step (the lineage, the re-hash, the stats), so a manifest
 replaced between two of them could give a lineage of one dataset and a check of another; and the files it loaded
 after the re-hash were not tied to the files hashed. Here the manifest is parsed once, its digest is of the same
-bytes, and a file replaced or rewritten after its hash (another inode, size or modification time) is refused.
+bytes, and a file replaced or rewritten after its hash (another inode, size, modification or change time) is
+refused.
 """
 
 from __future__ import annotations
@@ -30,12 +31,16 @@ from flashdraft.artifact.manifest import (
 )
 from flashdraft.errors import BadInput
 
+Identity = tuple[int, int, int, int, int]
 
-def file_identity(path: Path) -> tuple[int, int, int, int]:
-    """What changes when a file is replaced (device, inode) or rewritten (size, modification time); not its bytes,
-    which were hashed once: this is the cheap check that they are still the bytes hashed."""
+
+def file_identity(path: Path) -> Identity:
+    """What changes when a file is replaced (device, inode) or rewritten (size, modification time, and the inode's
+    change time, which its owner cannot set back: `cp -p`, `rsync -a --inplace` or an untar restores the modification
+    time of a file they rewrite in place); not its bytes, which were hashed once: this is the cheap check that they
+    are still the bytes hashed."""
     st = os.stat(path, follow_symlinks=False)
-    return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns
+    return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns
 
 
 @dataclass(frozen=True)
@@ -48,7 +53,7 @@ class InputArtifact:
     remedy: str  # what to do when it does not verify
     manifest: Manifest
     digest: str
-    identities: dict[str, tuple[int, int, int, int]] | None = None
+    identities: dict[str, Identity] | None = None
 
     @property
     def stats(self) -> dict:
@@ -71,25 +76,26 @@ class InputArtifact:
         hashed them a moment before (they read the same disk)."""
         return replace(self, identities=self.current_identities())
 
-    def require_unchanged(self) -> None:
-        """After loading: every file is still the one hashed; one replaced or rewritten since is refused in one line
-        (what was loaded may be neither the checked bytes nor the new ones)."""
+    def require_unchanged(self, during: str = "while it was loaded") -> None:
+        """After loading, and for a memory-mapped input whenever its use is about to be recorded (train: before every
+        checkpoint and the export): every file is still the one hashed; one replaced or rewritten since is refused in
+        one line (what was read may be neither the checked bytes nor the new ones)."""
         if self.identities is None:
             raise RuntimeError(f"{self.what} {self.root}: require_unchanged before verified()")  # a bug, not input
         if changed := self.changed_since(self.identities):
             raise NotVerified(f"{self.what} {self.root} changed after it was verified ({changed} was replaced or "
-                              f"rewritten while it was loaded): {self.remedy}")
+                              f"rewritten {during}): {self.remedy}")
 
-    def current_identities(self) -> dict[str, tuple[int, int, int, int]]:
+    def current_identities(self) -> dict[str, Identity]:
         found = {}
         for entry in self.manifest.files:
             try:
                 found[entry.path] = file_identity(self.root / entry.path)
             except OSError:
-                found[entry.path] = (0, 0, -1, 0)  # missing: verify_against names it
+                found[entry.path] = (0, 0, -1, 0, 0)  # missing: verify_against names it
         return found
 
-    def changed_since(self, identities: dict[str, tuple[int, int, int, int]]) -> str | None:
+    def changed_since(self, identities: dict[str, Identity]) -> str | None:
         now = self.current_identities()
         return next((path for path, was in identities.items() if now.get(path) != was), None)
 

@@ -132,6 +132,23 @@ def on_rank_zero(world: int, check: Callable[[], T], what: str) -> T | None:
     return value
 
 
+def on_every_rank(world: int, check: Callable[[], None], what: str) -> None:
+    """Run `check` on every rank (each reads its own node's files) and stop them all if any fails: the failing rank
+    raises its own error, the others say where to look."""
+    failure = None
+    try:
+        check()
+    except ExpectedFailure as e:
+        failure = e
+    if world > 1:
+        failed = torch.tensor([int(failure is not None)], device=collective_device())
+        torch.distributed.all_reduce(failed, op=torch.distributed.ReduceOp.MAX)
+        if failure is None and failed.item():
+            raise ExpectedFailure(f"{what} failed on another rank (its error line says why)")
+    if failure is not None:
+        raise failure
+
+
 def agree(world: int, parts: dict[str, str]) -> None:
     """What every process of a run must share (the dataset, the settings, the target, flashdraft's version: each a
     digest), compared once the group is up: a node that joined with another dataset would have its gradients

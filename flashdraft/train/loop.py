@@ -37,6 +37,7 @@ from flashdraft.train.distributed import (
     Placement,
     barrier,
     collective_device,
+    on_every_rank,
     on_rank_zero,
 )
 from flashdraft.train.heldout import evaluate_heldout
@@ -61,6 +62,7 @@ class Setup:
     cache: Any  # FeatureCache (offline features) or None (the target runs in each step)
     steps_per_epoch: int
     total_steps: int
+    data: Any = None  # the dataset artifact as verified (InputArtifact): its files' identities, checked again
 
 
 def loop(cfg: TrainConfig, s: Setup, position: dict, sinks: MetricSinks, shipper: CheckpointShipper,
@@ -123,7 +125,9 @@ def loop(cfg: TrainConfig, s: Setup, position: dict, sinks: MetricSinks, shipper
                     sinks.log({"step": step, "heldout": held})
                     if not all_finite(s.drafter, world):  # never a checkpoint to resume into NaN from
                         raise Diverged(divergence(cfg, step, "its update left weights that are not finite", out))
-                    # a fleet's servers proven the target's again: a checkpoint only on states proven since the last
+                    # the bytes trained on are still the bytes hashed, and a fleet's servers still the target: a
+                    # checkpoint only on data and states proven since the last one
+                    data_unchanged(s, world, out, f"before the checkpoint at step {step}")
                     proof = features_proven(s, step, world, out)
                     state = full_state(s.model, s.optimizers)  # every rank: FSDP gathers its shards
                     if rank == 0:
@@ -135,6 +139,21 @@ def loop(cfg: TrainConfig, s: Setup, position: dict, sinks: MetricSinks, shipper
     if prefetcher is not None:
         prefetcher.shutdown(wait=True)
     return position, last, held_at
+
+
+def data_unchanged(s: Setup, world: int, out: Path, where: str) -> None:
+    """The dataset's files are the ones hashed at the start (memory-mapped, they are read all run long): one rewritten
+    since — even in place with its modification time put back — stops the run here, on every rank, in one line naming
+    the file; the newest checkpoint stays the last one trained on the hashed bytes."""
+    if s.data is None:
+        return
+
+    def check() -> None:
+        newest = next(iter(checkpoint_dirs(out)), None)
+        s.data.require_unchanged(f"while it was trained on; stopped {where}" + (
+            f", {newest.name} stays the newest checkpoint" if newest else ""))
+
+    on_every_rank(world, check, "the dataset's check")
 
 
 def features_proven(s: Setup, step: int, world: int, out: Path) -> dict | None:

@@ -54,7 +54,7 @@ from flashdraft.train.drafters import import_drafter, new_drafter
 from flashdraft.train.heldout import evaluate_heldout
 from flashdraft.train.launch import die_with_launcher, run_launched, under_a_launcher, waiting_for_the_launchers_stop
 from flashdraft.train.lineage import open_dataset, run_lineage
-from flashdraft.train.loop import Diverged, Setup, all_finite, divergence, loop
+from flashdraft.train.loop import Diverged, Setup, all_finite, data_unchanged, divergence, loop
 from flashdraft.train.metrics import MetricSinks, truncate_metrics
 from flashdraft.train.optim import build_optimizers
 
@@ -176,6 +176,7 @@ def train_from(cfg: TrainConfig, data: InputArtifact, out: Path, target_path: st
     # held-out samples (only a run resumed at its end, which trained nothing here, evaluates now).
     held = held_at[1] if held_at and held_at[0] == position["step"] else evaluate_heldout(
         s.model, s.target, s.dataset, s.heldout_ids, cfg, where.device, s.cache)
+    data_unchanged(s, where.world, out, "before the export")  # the lineage it writes names the bytes hashed
     final = whole_drafter(s)  # every rank: under FSDP the weights are gathered from the shards
     if where.rank != 0:
         shipper.wait()
@@ -282,4 +283,4 @@ def setup(cfg: TrainConfig, data: InputArtifact, out: Path, target_path: str, wh
     total_steps = cfg.max_steps or cfg.epochs * steps_per_epoch
     optimizers = build_optimizers(cfg, drafter, total_steps)
     return Setup(where, target, dataset, train_ids, heldout_ids, drafter, model, optimizers, cache,
-                 steps_per_epoch, total_steps)
+                 steps_per_epoch, total_steps, data)
