@@ -24,6 +24,7 @@ from flashdraft.errors import BadInput
 from flashdraft.model.drafter import uniform_layer_ids
 from flashdraft.model.target import linear_attention_layers
 from flashdraft.progress import human_bytes
+from flashdraft.standard_sets import turns_per_prompt
 from flashdraft.train.feature_cache import TEACHER_BYTES, feature_bytes
 
 # A Gated-DeltaNet layer's shape: TargetShape's field ← the config's key (Qwen3.5/3.6)
@@ -44,6 +45,7 @@ DRAFTER_STATE_BYTES_PER_PARAM = 16  # in training: fp32 weights, gradients and A
 # 128). Other shapes are scaled by training FLOPs per token: the target's forward (2 × its layer parameters) plus
 # the drafter's forward and backward (6 × its parameters), times the batch.
 REFERENCE_STEP_S, REFERENCE_BATCH, REFERENCE_DRAFTER = 1.18, 4, 1.05e9
+HYBRID_REFERENCE_LOOP = 1.7  # transformers #48718: a Qwen3.5-9B step 1.22 s on the reference loop, 0.70 s on kernels
 REFERENCE_TARGET_LAYER_PARAMS = 36 * (4096 * 128 * (2 * 32 + 2 * 8) + 3 * 4096 * 12288)
 # eval's decoding pace on an H200 (issue 47: HF decoding, host-bound; a 0.6B-shaped target measured 20.6 tok/s)
 EVAL_TOKENS_PER_S = 20.0
@@ -299,8 +301,11 @@ def estimate(
     tokens_per_s: float | None = None,
     mean_new_tokens: int | None = None,
     train_hours: float | None = None,
+    step_seconds: float | None = None,
 ) -> dict[str, Any]:
     g, t, tr = cfg.generate, cfg.tokenize, cfg.train
+    if step_seconds is not None and not (math.isfinite(step_seconds) and step_seconds > 0):
+        raise EstimateError(f"--step-seconds must be a number of seconds above 0 (got {step_seconds:g})")
     if num_prompts is not None and num_prompts < 1:
         raise EstimateError(f"--num-prompts must be at least 1 (got {num_prompts})")
     if tokens_per_s is not None and tokens_per_s <= 0:
@@ -324,13 +329,20 @@ def estimate(
     layer_ids = tr.target_layer_ids or uniform_layer_ids(shape.layers, tr.num_layers)
     params = drafter_params(shape, tr.num_layers, len(layer_ids), tr)
     procs = tr.nproc_per_node
+    processes = procs * tr.nnodes  # train divides the data by every process of every node
     # each process takes batch_size sequences a step; max_steps, when set, is the run's length
-    steps = tr.max_steps or math.ceil(count / (tr.batch_size * procs)) * tr.epochs
+    steps = tr.max_steps or math.ceil(count / (tr.batch_size * processes)) * tr.epochs
     rate = tokens_per_s if tokens_per_s is not None else DEFAULT_TOKENS_PER_S[g.backend] * max(1, len(g.base_urls))
-    step_s = REFERENCE_STEP_S * (2 * shape.layers * layer_params(shape) + 6 * params) / (
-        2 * REFERENCE_TARGET_LAYER_PARAMS + 6 * REFERENCE_DRAFTER) * tr.batch_size / REFERENCE_BATCH
+    # A step is ceil(batch / micro_batch) passes; each is counted at the time of a full micro-batch (an upper bound:
+    # the last pass may hold fewer sequences), from the reference step scaled by the training FLOPs — or the step
+    # the user measured on their own node (--step-seconds; train's log prints it after its first steps).
+    passes = math.ceil(tr.batch_size / min(tr.micro_batch, tr.batch_size))
+    scaled_s = REFERENCE_STEP_S * (2 * shape.layers * layer_params(shape) + 6 * params) / (
+        2 * REFERENCE_TARGET_LAYER_PARAMS + 6 * REFERENCE_DRAFTER) * (
+        passes * min(tr.micro_batch, tr.batch_size)) / REFERENCE_BATCH
+    step_s = step_seconds if step_seconds is not None else scaled_s
     # speculative, then target-only, on each prompt set; a two-turn set (mt-bench) decodes twice a prompt
-    eval_turns = sum(cfg.eval.max_prompts * eval_turns_per_prompt(source) for source in cfg.eval.sources)
+    eval_turns = sum(cfg.eval.max_prompts * turns_per_prompt(source) for source in cfg.eval.sources)
     eval_tokens = 2 * eval_turns * cfg.eval.max_new_tokens
     # A sample is the prompt and its completion; tokenize keeps max_length of it and throws the rest away.
     longest_sample = prompt_tokens + g.max_new_tokens
@@ -375,7 +387,7 @@ def estimate(
     if train_hours is not None:
         fit_steps = int(train_hours * 3600 / step_s)
         fits = {"hours": train_hours, "max_steps": fit_steps,
-                "epochs": round(fit_steps * tr.batch_size * procs / count, 2)}
+                "epochs": round(fit_steps * tr.batch_size * processes / count, 2)}
     return {
         "prompts": count,
         "prompt_tokens_mean": round(prompt_tokens, 1),
@@ -399,10 +411,16 @@ def estimate(
         "drafter_bytes": params * (2 if tr.export_dtype == "bfloat16" else 4),
         "gpu_memory": gpu,
         "train_processes": procs,
+        "train_nodes": tr.nnodes,
         "train_steps": steps,
         "train_step_s": round(step_s, 3),
+        "train_step_measured": step_seconds is not None,
+        "train_passes_per_step": passes,
         "train_hours": round(hours, 1),
-        "train_gpu_hours": round(hours * procs, 1),
+        # a hybrid target's Gated-DeltaNet layers on transformers' reference loop (no fast kernels): ~1.7× a step
+        "train_hours_reference_loop": (round(hours * HYBRID_REFERENCE_LOOP, 1) if step_seconds is None and
+                                       shape.linear_attention_layers and tr.feature_source != "engine" else None),
+        "train_gpu_hours": round(hours * processes, 1),
         "train_fits": fits,
         "shared_directory": shared,
         "fleet_probe": probe,
@@ -415,7 +433,7 @@ def estimate(
 
 def describe(est: dict[str, Any], cfg: PipelineConfig) -> list[str]:
     """The estimate as lines a person reads before committing machines to it."""
-    b = human_bytes
+    b, processes = human_bytes, est["train_processes"] * est["train_nodes"]
     features = ("offline" if cfg.train.features == "offline" else
                 "online: computed in each step and never written; what a cache of them would take, "
                 "train.features: offline") + (
@@ -442,17 +460,21 @@ def describe(est: dict[str, Any], cfg: PipelineConfig) -> list[str]:
         f"{b(est['checkpoint_bytes'])}: {est['drafter_params'] / 1e6:,.1f}M drafter params with AdamW state)",
         f"disk, exported drafter: {b(est['drafter_bytes'])} ({cfg.train.export_dtype})",
         *gpu_lines(est, cfg),
-        f"train: {est['train_steps']:,} optimizer steps of {est['train_processes']} process(es) × batch "
+        f"train: {est['train_steps']:,} optimizer steps of {processes} process(es) × batch "
         f"{cfg.train.batch_size} ("
-        + (f"max_steps, ≈ {est['train_steps'] * cfg.train.batch_size * est['train_processes'] / est['prompts']:,.2f} "
+        + (f"max_steps, ≈ {est['train_steps'] * cfg.train.batch_size * processes / est['prompts']:,.2f} "
            "epochs" if cfg.train.max_steps else f"{cfg.train.epochs} epoch(s)")
-        + f", train.nproc_per_node {est['train_processes']})",
+        + f", train.nproc_per_node {est['train_processes']} × train.nnodes {est['train_nodes']})",
         f"train: ≈ {est['train_hours']:,} hours ({est['train_gpu_hours']:,} drafter GPU-hours) at ≈ "
-        f"{est['train_step_s']:.2f} s a step (the step measured on one H200 — 1.18 s, batch 4, a 1.05B drafter of a "
-        "Qwen3-8B-shaped target, online — scaled by this target's and drafter's training FLOPs and the batch"
-        + (f"; its {est['target']['linear_attention_layers']} Gated-DeltaNet layers assumed on fast kernels "
-           "(flash-linear-attention, or vLLM with train.feature_source: engine): on transformers' reference loop a "
-           "step is about 1.7× longer" if est["target"]["linear_attention_layers"] else "") + ")",
+        + (f"{est['train_step_s']:.2f} s a step (--step-seconds: measured on your node)" if est["train_step_measured"]
+           else f"{est['train_step_s']:.2f} s a step (the step measured on one H200 — 1.18 s, batch 4, a 1.05B drafter "
+           "of a Qwen3-8B-shaped target, online — scaled by this target's and drafter's training FLOPs and the batch"
+           + (f", {est['train_passes_per_step']} passes of micro_batch {est['gpu_memory']['micro_batch']} each counted "
+              "as full" if est["train_passes_per_step"] > 1 else "")
+           + (f"; its {est['target']['linear_attention_layers']} Gated-DeltaNet layers assumed on fast kernels "
+              "(flash-linear-attention, or vLLM with train.feature_source: engine): on transformers' reference loop "
+              f"≈ {est['train_hours_reference_loop']:,} hours" if est["train_hours_reference_loop"] else "")
+           + "; measure yours: train's log gives the pace after its first steps, then --step-seconds S)"),
         *fit_line(est),
         *engine_lines(est, cfg),
         f"eval: ≈ {est['eval_hours']} hours ({len(cfg.eval.sources)} prompt set(s) × {cfg.eval.max_prompts} prompts "
@@ -501,15 +523,12 @@ def fit_line(est: dict[str, Any]) -> list[str]:
     fits = est["train_fits"]
     if fits is None:
         return []
+    slow = est.get("train_hours_reference_loop")
     if est["train_hours"] <= fits["hours"]:
+        if slow and slow > fits["hours"]:
+            return [f"train: fits in {fits['hours']:,g} hours on fast Gated-DeltaNet kernels, not on transformers' "
+                    f"reference loop (≈ {slow:,} hours): install flash-linear-attention and causal-conv1d "
+                    "(FLASHDRAFT_GPU=1 ./install.sh), or use train.feature_source: engine"]
         return [f"train: fits in {fits['hours']:,g} hours"]
     return [f"train: to fit in {fits['hours']:,g} hours, set train.max_steps: {fits['max_steps']:,} (≈ "
             f"{fits['epochs']:,} epochs of these prompts), or add processes (train.nproc_per_node, torchrun nodes)"]
-
-
-def eval_turns_per_prompt(source: str) -> int:
-    """Turns eval decodes a prompt of `source`: a standard set's own count (mt-bench asks two), else one."""
-    from flashdraft.evaluate.sets import split_source, standard_sets
-
-    name, _ = split_source(source)
-    return 2 if name is not None and "turns" in standard_sets()[name] else 1

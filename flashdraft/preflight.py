@@ -214,7 +214,8 @@ def check_prompts(source: str) -> Check:
 def check_eval_prompts(source: str) -> Check:
     """An eval source: a standard benchmark set is read (from the hub or its local copy) and formatted, as eval
     will read it first; any other source is checked as generate's prompts are."""
-    from flashdraft.evaluate.sets import load_standard, split_source
+    from flashdraft.evaluate.sets import load_standard
+    from flashdraft.standard_sets import split_source
 
     name, path = split_source(source)
     if name is None:

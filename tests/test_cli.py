@@ -131,6 +131,7 @@ FROZEN_FLAGS = {
         "--json",
         "--mean-new-tokens",
         "--num-prompts",
+        "--step-seconds",
         "--target-config",
         "--tokens-per-s",
         "--train-hours",

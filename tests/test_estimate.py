@@ -324,3 +324,41 @@ def target_shape_of(path):
     from flashdraft.estimate import target_shape
 
     return target_shape("unused", path)
+
+
+def test_the_plan_counts_nodes_micro_batch_passes_and_a_measured_step():
+    """train divides the data by every process of every node; micro_batch below the batch is several passes a step;
+    a step measured on the user's own node replaces the scaled reference; a hybrid target says its hours on
+    transformers' reference loop."""
+    from flashdraft.config import load_config
+    from flashdraft.estimate import estimate
+
+    asset = Path(__file__).parent / "assets" / "qwen3.6-27b-config.json"
+
+    def plan(**overrides):
+        cfg = load_config(EXAMPLES / "qwen3.6-27b.yaml", {f"train.{k}": v for k, v in overrides.items()})
+        return estimate(cfg, num_prompts=900000, target_config=asset)
+
+    one = plan()
+    two = plan(nnodes=2, rdzv_endpoint="node0:29400")
+    assert one["train_steps"] == 112500 and two["train_steps"] == 56250
+    assert two["train_hours"] == pytest.approx(one["train_hours"] / 2, rel=1e-3)
+    assert two["train_gpu_hours"] == pytest.approx(one["train_gpu_hours"], rel=1e-3)  # the same work, twice the GPUs
+    three = plan(micro_batch=3)  # two passes a step, each counted as a full micro-batch of 3
+    assert three["train_passes_per_step"] == 2 and three["train_step_s"] == pytest.approx(1.5 * one["train_step_s"],
+                                                                                          rel=1e-3)
+    assert one["train_hours_reference_loop"] == pytest.approx(1.7 * one["train_hours"], rel=1e-2)
+    cfg = load_config(EXAMPLES / "qwen3.6-27b.yaml", {})
+    measured = estimate(cfg, num_prompts=900000, target_config=asset, step_seconds=4.2)
+    assert measured["train_step_s"] == 4.2 and measured["train_hours"] == pytest.approx(112500 * 4.2 / 3600, rel=1e-3)
+    assert measured["train_step_measured"] and measured["train_hours_reference_loop"] is None
+
+
+def test_train_says_its_measured_pace_after_its_first_steps(tiny_target, tiny_dataset, tmp_path):
+    from flashdraft.train import run
+    from tests.train.test_train import tiny_cfg
+
+    said = []
+    run(tiny_cfg(tiny_target, max_steps=14, checkpoint_every=100), tiny_dataset, tmp_path / "out", log=said.append)
+    line = next(x for x in said if x.startswith("train: measured "))
+    assert "s a step (median of steps 2–10); the 4 steps left take ≈" in line and "--step-seconds" in line

@@ -75,6 +75,15 @@ def test_every_figure_of_the_runbook_is_what_estimate_prints(cli, tmp_path):
 
     assert "cut up to 65 %" in prose and with_train(**{"generate.max_new_tokens": 8192})["completion_share_cut_max"] \
         == pytest.approx(0.65, abs=0.005)
+    assert "held-out eval (50 prompts × 512 tokens) is ≈ 0.71 hours" in prose and est["eval_hours"] == 0.71
+    assert "on transformers' reference loop about 170 hours" in prose and round(est["train_hours_reference_loop"],
+                                                                                -1) == 170
+    two_nodes = with_train(**{"train.nnodes": 2, "train.rdzv_endpoint": "node0:29400"})
+    assert "it is 56,250 steps, about 50 hours" in prose and two_nodes["train_steps"] == 56_250
+    assert round(two_nodes["train_hours"], -1) == 50
+    eighty = with_train(**{"train.micro_batch": 3})
+    assert "at most 1.5× the step (about 150 hours on fast kernels)" in prose
+    assert round(eighty["train_hours"], -1) == 150 and eighty["train_passes_per_step"] == 2
     six = with_train(**{"train.epochs": 6})
     assert "6 epochs would take about 600 hours" in prose and round(six["train_hours"], -2) == 600
     assert six["train_fits"]["max_steps"] < six["train_steps"]  # and the budget line says what would fit

@@ -140,6 +140,10 @@ def estimate(
         float | None, typer.Option(help="Training budget in hours: says whether the config fits, else the "
                                         "train.max_steps that does.")
     ] = None,
+    step_seconds: Annotated[
+        float | None, typer.Option(help="A training step's seconds measured on your own node (train's log gives it "
+                                        "after its first steps) to plan with, instead of the scaled reference step.")
+    ] = None,
     json_out: JsonFlag = False,
 ) -> None:
     """Tokens, disk and hours the pipeline will need, before anything runs."""
@@ -148,7 +152,7 @@ def estimate(
 
     cfg = load_config(config_file, {})
     est = compute(cfg, num_prompts=num_prompts, target_config=target_config, tokens_per_s=tokens_per_s,
-                  mean_new_tokens=mean_new_tokens, train_hours=train_hours)
+                  mean_new_tokens=mean_new_tokens, train_hours=train_hours, step_seconds=step_seconds)
     for line in describe(est, cfg):
         human(json_out).print(line)
     if json_out:

@@ -4,7 +4,8 @@
 
 A source is one of:
 - a standard set's name (`gsm8k`, `math500`, `humaneval`, `mbpp`, `mt-bench`, and SPEED-Bench's `speed-bench`,
-  `speed-bench-1k` … `speed-bench-32k`; standard_sets.yaml): the public dataset through `datasets.load_dataset`,
+  `speed-bench-1k` … `speed-bench-32k`; flashdraft/standard_sets.yaml): the public dataset through
+  `datasets.load_dataset`,
   formatted as z-lab's benchmark script formats it (SPEED-Bench: its user turns as they are);
 - `NAME=PATH`: the same set from a local JSONL / Parquet file or `save_to_disk` directory in the dataset's own
   schema and field names (for machines that cannot reach the hub): the same formatting, the same code after the
@@ -21,15 +22,13 @@ from __future__ import annotations
 import functools
 import random
 from dataclasses import dataclass
-from importlib import resources
 from pathlib import Path
 from typing import Any
-
-import yaml
 
 from flashdraft.errors import BadInput
 from flashdraft.generate.prompts import BUILTIN, Prompt, Rejected, load_prompts, read_records
 from flashdraft.records import prompt_id
+from flashdraft.standard_sets import split_source, standard_sets
 
 
 @dataclass(frozen=True)
@@ -47,18 +46,6 @@ class EvalSet:
 
 
 @functools.cache
-def standard_sets() -> dict[str, dict[str, Any]]:
-    return yaml.safe_load(resources.files("flashdraft.evaluate").joinpath("standard_sets.yaml").read_text("utf-8"))
-
-
-def split_source(source: str) -> tuple[str | None, str | None]:
-    """(standard set name, local path or None) for a standard-set source; (None, None) for any other."""
-    name, sep, path = source.partition("=")
-    if name in standard_sets():
-        return name, (path if sep else None)
-    return None, None
-
-
 def load_eval_sets(sources: list[str], max_prompts: int) -> list[EvalSet]:
     names = [split_source(source)[0] or source for source in sources]
     if len(set(names)) < len(names):

@@ -80,6 +80,7 @@ def loop(cfg: TrainConfig, s: Setup, position: dict, sinks: MetricSinks, shipper
     prefetcher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="prefetch") if overlap else None
     pending = None  # (epoch, batch index, future of its plans)
     held_at = None  # (step, the held-out evaluation there)
+    pace = Pace(step, s.total_steps, shipper.log if rank == 0 else None)
     text = "train loss {task.fields[loss]} τ≈{task.fields[tau]} {task.fields[tps]} tok/s"
     with progress(console if rank == 0 else None, text, total=s.total_steps, completed=step, unit="steps", loss="–",
                   tau="–", tps="–") as update:
@@ -107,6 +108,7 @@ def loop(cfg: TrainConfig, s: Setup, position: dict, sinks: MetricSinks, shipper
                                               else f"its gradient norm is {grad_norm}", out))
                 step += 1
                 position = {"step": step, "epoch": epoch, "batch": b + 1}
+                pace.stepped(step, time.perf_counter() - t0)
                 with record_function("flashdraft.bookkeeping"):
                     last = step_metrics(step, epoch, results, loss, world, time.perf_counter() - t0, s.optimizers,
                                         s.drafter.block_size)
@@ -139,6 +141,28 @@ def loop(cfg: TrainConfig, s: Setup, position: dict, sinks: MetricSinks, shipper
     if prefetcher is not None:
         prefetcher.shutdown(wait=True)
     return position, last, held_at
+
+
+class Pace:
+    """After the first PACE_STEPS steps of a start (the first one's warm-up left out), one line: the measured seconds a
+    step and what they make of the rest of the run — the figure `estimate --step-seconds` plans with."""
+
+    PACE_STEPS = 10
+
+    def __init__(self, first_step: int, total_steps: int, log) -> None:
+        self.first, self.total, self.log, self.seconds = first_step, total_steps, log, []
+
+    def stepped(self, step: int, seconds: float) -> None:
+        if self.log is None or step - self.first > self.PACE_STEPS:
+            return
+        if step - self.first > 1:  # the first step of a start compiles, allocates and fills caches
+            self.seconds.append(seconds)
+        if step - self.first == self.PACE_STEPS:
+            median = sorted(self.seconds)[len(self.seconds) // 2]
+            left = self.total - step
+            self.log(f"train: measured {median:.2f} s a step (median of steps {self.first + 2}–{step}); the {left:,} "
+                     f"steps left take ≈ {left * median / 3600:,.1f} hours at this pace (flashdraft estimate CONFIG "
+                     f"--step-seconds {median:.2f} plans the whole run with it)")
 
 
 def data_unchanged(s: Setup, world: int, out: Path, where: str) -> None:

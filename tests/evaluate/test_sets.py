@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 
 from flashdraft.errors import BadInput
-from flashdraft.evaluate.sets import load_eval_sets, load_standard, split_source, standard_sets
+from flashdraft.evaluate.sets import load_eval_sets, load_standard
+from flashdraft.standard_sets import split_source, standard_sets
 
 ASSETS = Path(__file__).parent.parent / "assets" / "benchmarks"
 BOXED = "\nPlease reason step by step, and put your final answer within \\boxed{}."
