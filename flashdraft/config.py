@@ -441,12 +441,28 @@ def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None
         raise ConfigError(_describe(e, node, source, from_flags)) from None
 
 
+def unknown_key(loc: tuple[Any, ...]) -> str:
+    """"unknown key", and the section's key it is closest to, where one is close (`max_step`: did you mean
+    `max_steps`?)."""
+    import difflib
+
+    model: type[BaseModel] = PipelineConfig
+    for part in loc[:-1]:
+        field = model.model_fields.get(str(part))
+        inner = getattr(field, "annotation", None) if field else None
+        if not (isinstance(inner, type) and issubclass(inner, BaseModel)):
+            return "unknown key"
+        model = inner
+    close = difflib.get_close_matches(str(loc[-1]), list(model.model_fields), n=1, cutoff=0.75)
+    return f"unknown key (did you mean {'.'.join(map(str, loc[:-1] + (close[0],)))}?)" if close else "unknown key"
+
+
 def _describe(error: ValidationError, node: yaml.Node | None, source: str, flags: dict[str, Any]) -> str:
     problems = []
     for err in error.errors():
         loc = tuple(err["loc"])
         key = ".".join(str(p) for p in loc)
-        msg = "unknown key" if err["type"] == "extra_forbidden" else err["msg"].removeprefix("Value error, ")
+        msg = unknown_key(loc) if err["type"] == "extra_forbidden" else err["msg"].removeprefix("Value error, ")
         if key in flags:
             where = f"--{key.rsplit('.', 1)[-1].replace('_', '-')} ({key})"
         elif err["type"] == "value_error" and len(loc) == 1:  # settings that do not go together, in one section

@@ -208,8 +208,11 @@ def summary_line(cfg: PipelineConfig) -> str:
     lookup = stats.get("lookup_acceptance_length")
     held = read_manifest(stage_dir(cfg.workdir, "train")).stats.get("heldout") or {}
     predicted = held.get("serving_acceptance_length")
+    speedup = stats.get("speedup")
     return (f"demo: acceptance length τ = {stats['acceptance_length']:.2f} on {stats['prompts']} held-out prompts "
-            f"({cfg.eval.prompts})"
+            f"({cfg.eval.prompts}): tokens per target pass, 1.00 = no draft accepted"
+            + (f"; {speedup:.2f}× the target alone's speed here (CPU decoding of a 135M target: docs/demo.md)"
+               if speedup is not None else "")
             + (f"; prompt lookup τ {lookup:.2f}" if lookup is not None else "")
             + (f"; the training log predicted {predicted:.2f} ({held['samples']} held-out samples)"
                if predicted is not None else "")

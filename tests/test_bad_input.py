@@ -469,3 +469,46 @@ def test_tokenize_of_an_artifact_with_no_records_or_only_bad_ones_says_which(cli
     failed_cleanly(cli("tokenize", "--input", str(bad), "--out", str(tmp_path / "b"), "--tokenizer", smollm2_dir),
                    "every record was rejected (1 rejected)")
     assert not (tmp_path / "b" / MANIFEST).exists()
+
+
+def test_a_bad_option_value_is_one_error_line_and_exit_1_with_its_json_object(cli, tmp_path):
+    """Not the option library's box and exit 2: the README's promise for every expected failure."""
+    bad = cli("train", "--max-steps", "abc", "--json")
+    assert bad.returncode == 1
+    assert json.loads(bad.stdout) == {"ok": False, "error": bad.stderr.strip().removeprefix("error: ")}
+    assert bad.stderr.strip().splitlines() == [
+        "error: Invalid value for '--max-steps': Input should be a valid integer, unable to parse string as an "
+        "integer (flashdraft train --help)"]
+    unknown = cli("train", "--max-stepz", "3")
+    assert unknown.returncode == 1 and unknown.stdout == "" and unknown.stderr.strip().splitlines() == [
+        "error: No such option: --max-stepz (Possible options: --max-steps) (flashdraft train --help)"]
+
+
+def test_a_misspelt_key_names_the_key_it_is_closest_to(cli, tmp_path):
+    config = tmp_path / "c.yaml"
+    config.write_text("train:\n  lr: 0.001\n  max_step: 10\n")
+    proc = cli("estimate", str(config), "--num-prompts", "10")
+    assert proc.returncode == 1
+    assert f"{config}:3: train.max_step: unknown key (did you mean train.max_steps?)" in proc.stderr
+    config.write_text("train:\n  zzz: 1\n")
+    assert "train.zzz: unknown key" in cli("estimate", str(config), "--num-prompts", "10").stderr
+    assert "did you mean" not in cli("estimate", str(config), "--num-prompts", "10").stderr
+
+
+@pytest.mark.parametrize("case", ["no credentials", "unreachable"])
+def test_verify_says_it_cannot_check_a_store_it_cannot_ask(cli, tmp_path, monkeypatch, case):
+    """No credentials, or no answer, is no verdict on the artifact: `cannot check`, as status says, not
+    "NOT verified"; one line, exit 1, and with --json an object with ok false."""
+    for name in [k for k in os.environ if k.startswith("AWS_")]:
+        monkeypatch.delenv(name)
+    monkeypatch.setenv("HOME", str(tmp_path))  # no ~/.aws either
+    monkeypatch.setenv("FLASHDRAFT_S3_ATTEMPTS", "1")
+    monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{closed_port()}")
+    if case == "unreachable":
+        monkeypatch.setenv("AWS_ACCESS_KEY_ID", "k")
+        monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "s")
+    proc = cli("verify", "s3://flashdraft/x", "--json", cwd=tmp_path)
+    assert proc.returncode == 1 and "NOT verified" not in proc.stderr + proc.stdout
+    line = proc.stderr.strip().splitlines()
+    assert len(line) == 1 and line[0].startswith("error: verify: s3://flashdraft/x — cannot check"), line
+    assert json.loads(proc.stdout)["ok"] is False

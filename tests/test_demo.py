@@ -78,6 +78,8 @@ def test_run_pipeline_end_to_end_then_everything_is_done(cli, tmp_path, tiny_mod
     evaluated = read_manifest(work / "eval").stats
     line = summary_line(load_config(config))
     assert f"τ = {evaluated['acceptance_length']:.2f} on {evaluated['prompts']} held-out prompts" in line
+    assert "tokens per target pass, 1.00 = no draft accepted" in line  # what τ means, and what it bought:
+    assert f"; {evaluated['speedup']:.2f}× the target alone's speed here" in line
     assert f"prompt lookup τ {evaluated['lookup_acceptance_length']:.2f}" in line
     held = read_manifest(work / "train" / "drafter").stats["heldout"]
     assert f"the training log predicted {held['serving_acceptance_length']:.2f} ({held['samples']} held-out" in line

@@ -56,9 +56,27 @@ class App(typer.Typer):
     stage option's help shows its effective default, read from the config schema (where the defaults live)."""
 
     def __call__(self, *args, **kwargs):
+        """A usage error (an unknown option, `--max-steps abc`) is an expected failure like any other: one `error:`
+        line naming the option, exit 1, and with `--json` one JSON object — not the option library's box and exit 2."""
         command = typer.main.get_command(self)
         show_config_defaults(command)
-        return command(*args, **kwargs)
+        try:
+            code = command.main(*args, standalone_mode=False, **kwargs)
+        except typer.Abort:
+            err_console.print("Aborted.")
+            sys.exit(1)
+        except typer.TyperException as e:  # the option library's errors (typer's own click)
+            if getattr(e, "exit_code", 1) != 2:  # not a usage error: as the library shows it
+                e.show()
+                sys.exit(e.exit_code)
+            ctx = getattr(e, "ctx", None)
+            where = f" (flashdraft {ctx.info_name} --help)" if ctx is not None and ctx.parent is not None else ""
+            JsonOutput.requested = "--json" in sys.argv[1:]
+            try:
+                fail(f"{e.format_message()}{where}")
+            except typer.Exit as exit_:
+                sys.exit(exit_.exit_code)
+        sys.exit(code if isinstance(code, int) else 0)
 
     def command(self, *args, **kwargs):
         register = super().command(*args, **kwargs)

@@ -90,7 +90,14 @@ def verify(
     from flashdraft.artifact.sync import verify_store
 
     if is_url(path):
+        from flashdraft.artifact.manifest import MANIFEST
+        from flashdraft.artifact.store import StoreError
+
         store = _open_store(path, profile, endpoint_url)
+        try:  # no credentials, a refused key, the endpoint down: the store was not asked, so no verdict on the artifact
+            store.read_bytes(MANIFEST)
+        except StoreError as e:
+            fail(f"verify: {path} — cannot check (no verdict on the artifact): {e}")
         problems = verify_store(store, deep=deep)
     elif Path(path).is_dir():
         problems = verify_dir(path)
