@@ -303,6 +303,9 @@ class EvalConfig(Section):
     # the chat template's thinking mode for every prompt; [true, false] (`--thinking on,off`) measures each prompt in
     # both modes in one run, a row per set and mode (τ differs by mode 2–3×); `run` follows generate.thinking
     thinking: bool | Annotated[list[bool], Field(min_length=1, max_length=2)] = False
+    # a prompt line that is no record at all (not JSON) is an error naming its line; on: skipped, written to
+    # rejected.jsonl with the reason (a record a standard set cannot format is always skipped and reported)
+    skip_unreadable: bool = False
     prompt_lookup_tokens: Positive = 10  # the prompt-lookup baseline's n-gram draft length
     # the target's (and so the drafter's) weight type while decoding: auto = bfloat16 on CUDA, float32 on a CPU.
     target_dtype: Literal["auto", "bfloat16", "float32"] = "auto"

@@ -512,3 +512,22 @@ def test_verify_says_it_cannot_check_a_store_it_cannot_ask(cli, tmp_path, monkey
     line = proc.stderr.strip().splitlines()
     assert len(line) == 1 and line[0].startswith("error: verify: s3://flashdraft/x — cannot check"), line
     assert json.loads(proc.stdout)["ok"] is False
+
+
+def test_an_eval_prompt_file_with_a_line_that_is_no_record_is_refused_naming_it(cli, tmp_path, tiny_model_dir):
+    """One good line and one that is not JSON: eval exits 1 naming line 2 (half a file must not go missing with exit
+    0); --skip-unreadable measures the good one and writes the other to rejected.jsonl with its reason."""
+    from tests.evaluate.test_sets import random_drafter
+
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"prompt": "Tell me about owls."}) + "\n" + '{"prompt": "unterminated\n')
+    random_drafter(tiny_model_dir, tmp_path / "drafter")
+    args = ["eval", "--drafter", str(tmp_path / "drafter"), "--target", tiny_model_dir, "--prompts", str(prompts),
+            "--max-new-tokens", "4"]
+    refused = cli(*args, "--out", str(tmp_path / "e1"))
+    assert refused.returncode == 1 and f"{prompts}: line 2 is not a record" in refused.stderr
+    assert "--skip-unreadable" in refused.stderr and not (tmp_path / "e1").exists()
+    skipped = cli(*args, "--out", str(tmp_path / "e2"), "--skip-unreadable", check=True)
+    assert skipped.returncode == 0
+    rejected = [json.loads(line) for line in (tmp_path / "e2" / "rejected.jsonl").read_text().splitlines()]
+    assert [r["line"] for r in rejected] == [2]

@@ -75,6 +75,7 @@ FROZEN_FLAGS = {
         "--out",
         "--prompts",
         "--seeds",
+        "--skip-unreadable",
         "--target",
         "--temperature",
         "--thinking",

@@ -212,3 +212,40 @@ def test_run_checks_every_eval_prompt_set_before_the_first_stage(tmp_path):
     assert f"ok   prompts gsm8k={assets / 'gsm8k.jsonl'}: 3 prompts" in proc.stdout
     assert f"FAIL prompts mt-bench={tmp_path / 'missing.jsonl'}: mt-bench: " in proc.stdout
     assert "not found" in proc.stdout and proc.returncode == 1 and not (tmp_path / "work").exists()
+
+
+def test_the_training_nodes_dry_run_sizes_its_disk_from_what_it_will_hold(cli, tmp_path, tiny_target, tiny_dataset):
+    """The training node has no prompt file; its disk is sized from the dataset's manifest in the store (pulled:
+    its bytes count), the checkpoints and the export — not skipped."""
+    from flashdraft.artifact.manifest import read_manifest
+    from flashdraft.progress import human_bytes
+
+    store = tmp_path / "store"
+    cli("sync", "push", str(tiny_dataset), str(store / "dataset"), check=True)
+    config = tmp_path / "c.yaml"
+    config.write_text(yaml.safe_dump({
+        "workdir": str(tmp_path / "work"), "store": str(store),
+        "generate": {"prompts": "/data/prompts/not-on-this-node.jsonl"},
+        "train": {"target": tiny_target, "num_layers": 1, "block_size": 8, "mask_token_id": 127}}))
+    dry = cli("run", str(config), "--from", "train", "--until", "train", "--dry-run")
+    line = next(x for x in dry.stdout.splitlines() if "disk at" in x)
+    assert line.split()[0] == "ok", line
+    pulled = human_bytes(sum(f.size for f in read_manifest(tiny_dataset).files))
+    assert f"the dataset (pulled) {pulled}" in line and "checkpoints" in line and "what this node will hold" in line
+
+
+def test_a_gpu_too_small_for_the_plan_is_refused_with_the_micro_batch_that_fits():
+    """The runbook's 27B recipe: a drafter GPU peaks at ≈ 74 GB at micro_batch 4 — 96 GB holds it, 80 GB does not,
+    and the refusal names micro_batch 3 (≈ 64 GB). Each GPU's memory comes from torch on a GPU machine (written,
+    not yet run on one); here it is given."""
+    from flashdraft.config import load_config
+    from flashdraft.preflight import gpu_memory_fit
+
+    cfg = load_config(Path(__file__).parents[1] / "examples" / "qwen3.6-27b.yaml", {})
+    asset = Path(__file__).parent / "assets" / "qwen3.6-27b-config.json"
+    assert "every GPU holds" in gpu_memory_fit(cfg, lambda device: 96e9, asset)
+    with pytest.raises(ValueError, match=r"cuda:2 \(drafter\) has 80\.0 GB, the plan needs 74\.\d GB at micro_batch 4: "
+                                         r"set train.micro_batch: 3"):
+        gpu_memory_fit(cfg, lambda device: 80e9, asset)
+    with pytest.raises(ValueError, match="no micro_batch fits"):
+        gpu_memory_fit(cfg, lambda device: 24e9, asset)

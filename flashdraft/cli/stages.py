@@ -206,6 +206,9 @@ def evaluate(
              "default and llama.cpp's rule, the τ a served user sees) or sample (drawn from the drafter, vLLM's "
              "probabilistic); default greedy.")] = None,
     max_prompts: Annotated[int | None, typer.Option(help="Prompts per --prompts set.")] = None,
+    skip_unreadable: Annotated[bool | None, typer.Option(
+        "--skip-unreadable", help="Skip prompt lines that are no record (not JSON), written to rejected.jsonl, "
+                                  "instead of refusing the file.")] = None,
     thinking: Annotated[str | None, typer.Option(
         help="on | off | on,off: enable_thinking in the chat template; on,off measures every prompt in both modes "
              "in one run, a row per set and mode.")] = None,
@@ -239,6 +242,7 @@ def evaluate(
         "eval.seeds": seeds,
         "eval.draft_sampling": draft_sampling,
         "eval.max_prompts": max_prompts,
+        "eval.skip_unreadable": skip_unreadable,
         "eval.thinking": thinking_modes(thinking),
         "eval.decoding": decoding,
         "eval.engine": (engine[0] if len(engine) == 1 else list(engine)) if engine else None,

@@ -77,7 +77,8 @@ def load_standard(name: str, path: str | None, max_prompts: int | None = None) -
         try:
             turns = _turns(spec, record)
         except ValueError as e:
-            rejected.append(Rejected(number, f"{name}: {e}", "" if isinstance(record, Exception) else str(record)))
+            rejected.append(Rejected(number, f"{name}: {e}", "" if isinstance(record, Exception) else str(record),
+                                     unreadable=isinstance(record, Exception)))
             continue
         messages = [{"role": "user", "content": turns[0]}]
         category = record.get(spec["category"]) if "category" in spec else None

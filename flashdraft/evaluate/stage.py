@@ -109,6 +109,13 @@ def run(
 def load_sets(cfg: EvalConfig) -> list:
     """Every set named; a set with no usable prompt is refused (nothing to measure τ on)."""
     sets = load_eval_sets(cfg.sources, cfg.max_prompts)
+    unreadable = [(each.name, r) for each in sets for r in each.rejected if r.unreadable]
+    if unreadable and not cfg.skip_unreadable:  # half a prompt file must not go missing with exit 0
+        name, first = unreadable[0]
+        raise BadInput(f"{name}: line {first.line} is not a record ({first.reason})"
+                       + (f", and {len(unreadable) - 1} more line(s)" if len(unreadable) > 1 else "")
+                       + ": fix the file, or set eval.skip_unreadable: true (--skip-unreadable) to measure without "
+                         "them (they go to rejected.jsonl with the reason)")
     for each in sets:
         if not each.prompts:
             raise BadInput(f"no usable prompts in {each.name}"

@@ -60,6 +60,7 @@ class Rejected:
     reason: str
     raw: str = ""
     id: str | None = None
+    unreadable: bool = False  # the line is no record at all (not JSON, too long), not a record that does not fit
 
     def to_json(self) -> dict[str, Any]:
         return {"line": self.line, "id": self.id, "reason": self.reason, "raw": self.raw[:500]}
@@ -162,7 +163,7 @@ def iter_prompts(source: str, tally: PromptSet) -> Iterator[Prompt]:
                 raise record
             prompt = normalize(record)
         except BadRecord as e:
-            tally.rejected.append(Rejected(number, str(e), raw.rstrip("\n")))
+            tally.rejected.append(Rejected(number, str(e), raw.rstrip("\n"), unreadable=isinstance(record, BadRecord)))
             continue
         if prompt.id in seen:
             tally.duplicates += 1
