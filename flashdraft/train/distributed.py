@@ -122,13 +122,7 @@ def on_rank_zero(world: int, check: Callable[[], T], what: str) -> T | None:
             value = check()
         except ExpectedFailure as e:
             failure = e
-    if world > 1:
-        failed = torch.tensor([int(failure is not None)], device=collective_device())
-        torch.distributed.all_reduce(failed, op=torch.distributed.ReduceOp.MAX)
-        if failure is None and failed.item():
-            raise ExpectedFailure(f"{what} failed on rank 0 (its error line says why)")
-    if failure is not None:
-        raise failure
+    raise_if_any_failed(world, failure, f"{what} failed on rank 0 (its error line says why)")
     return value
 
 
@@ -140,11 +134,17 @@ def on_every_rank(world: int, check: Callable[[], None], what: str) -> None:
         check()
     except ExpectedFailure as e:
         failure = e
+    raise_if_any_failed(world, failure, f"{what} failed on another rank (its error line says why)")
+
+
+def raise_if_any_failed(world: int, failure: ExpectedFailure | None, elsewhere: str) -> None:
+    """Every rank learns whether any failed (one collective): the one that did raises its own error, the rest
+    `elsewhere`."""
     if world > 1:
         failed = torch.tensor([int(failure is not None)], device=collective_device())
         torch.distributed.all_reduce(failed, op=torch.distributed.ReduceOp.MAX)
         if failure is None and failed.item():
-            raise ExpectedFailure(f"{what} failed on another rank (its error line says why)")
+            raise ExpectedFailure(elsewhere)
     if failure is not None:
         raise failure
 

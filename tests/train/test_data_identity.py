@@ -34,13 +34,18 @@ def test_an_in_place_rewrite_with_its_mtime_restored_changes_the_identity(tmp_pa
     assert after != before  # the change time is not
 
 
+def copied(dataset: str, tmp_path: Path) -> tuple[Path, Path]:
+    """A copy of the dataset this test may rewrite, and its first shard."""
+    data = tmp_path / "data"
+    shutil.copytree(dataset, data)
+    return data, next(data.glob("*.arrow"))
+
+
 def test_a_shard_rewritten_during_training_stops_the_run_before_the_next_checkpoint(tiny_target, tiny_dataset,
                                                                                    tmp_path, monkeypatch):
     import flashdraft.train.loop as loop_module
 
-    data = tmp_path / "data"
-    shutil.copytree(tiny_dataset, data)
-    shard = next(data.glob("*.arrow"))
+    data, shard = copied(tiny_dataset, tmp_path)
     original = loop_module.save_checkpoint
 
     def save_then_rewrite(out, step, *args, **kwargs):
@@ -62,9 +67,7 @@ def test_a_shard_rewritten_after_the_last_checkpoint_is_refused_before_the_expor
                                                                                  tmp_path, monkeypatch):
     import flashdraft.train.stage as stage_module
 
-    data = tmp_path / "data"
-    shutil.copytree(tiny_dataset, data)
-    shard = next(data.glob("*.arrow"))
+    data, shard = copied(tiny_dataset, tmp_path)
     original = stage_module.evaluate_heldout
 
     def evaluated_then_rewritten(*args, **kwargs):  # the end of a run resumed at its last step: before the export
