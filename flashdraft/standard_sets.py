@@ -7,12 +7,14 @@ reaches into the other.
 
 from __future__ import annotations
 
+import functools
 from importlib import resources
 from typing import Any
 
 import yaml
 
 
+@functools.cache  # read once a process: a packaged file
 def standard_sets() -> dict[str, dict[str, Any]]:
     return yaml.safe_load(resources.files("flashdraft").joinpath("standard_sets.yaml").read_text("utf-8"))
 

@@ -19,7 +19,6 @@ the same prompts; other sources keep their first N. Records a set cannot format 
 
 from __future__ import annotations
 
-import functools
 import random
 from dataclasses import dataclass
 from pathlib import Path
@@ -45,7 +44,6 @@ class EvalSet:
     rejected: list[Rejected]
 
 
-@functools.cache
 def load_eval_sets(sources: list[str], max_prompts: int) -> list[EvalSet]:
     names = [split_source(source)[0] or source for source in sources]
     if len(set(names)) < len(names):
