@@ -239,7 +239,7 @@ def test_a_gpu_too_small_for_the_plan_is_refused_with_the_micro_batch_that_fits(
     and the refusal names micro_batch 3 (≈ 64 GB). Each GPU's memory comes from torch on a GPU machine (written,
     not yet run on one); here it is given."""
     from flashdraft.config import load_config
-    from flashdraft.preflight import gpu_memory_fit
+    from flashdraft.node_checks import gpu_memory_fit
 
     cfg = load_config(Path(__file__).parents[1] / "examples" / "qwen3.6-27b.yaml", {})
     asset = Path(__file__).parent / "assets" / "qwen3.6-27b-config.json"

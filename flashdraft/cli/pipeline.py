@@ -7,6 +7,7 @@ from typing import Annotated
 
 import typer
 
+from flashdraft.checks import require
 from flashdraft.cli.app import (
     ConfigFlag,
     JsonFlag,
@@ -19,7 +20,6 @@ from flashdraft.cli.app import (
 from flashdraft.config import load_config
 from flashdraft.errors import ExpectedFailure
 from flashdraft.layout import stage_dir
-from flashdraft.preflight import require
 
 
 @app.command()

@@ -9,6 +9,7 @@ from typing import Annotated
 import typer
 
 from flashdraft.artifact.manifest import MANIFEST
+from flashdraft.checks import require
 from flashdraft.cli.app import (
     ConfigFlag,
     JsonFlag,
@@ -21,7 +22,7 @@ from flashdraft.cli.app import (
 from flashdraft.config import load_config
 from flashdraft.layout import DRAFTER, generate_dir, require_drafter, stage_dir, stage_url, train_dir
 from flashdraft.pipeline import fetch_verified, train_settings
-from flashdraft.preflight import check_dataset, generate_checks, require, train_checks
+from flashdraft.preflight import check_dataset, generate_checks, train_checks
 
 
 @app.command()
