@@ -119,7 +119,7 @@ def test_estimate_counts_max_steps_when_set(cli):
     epochs = steps / -(-DEMO_SETTINGS["generate.max_prompts"] // DEMO_SETTINGS["train.batch_size"])
     assert _last_json(cli("estimate", demo, "--json", check=True))["train_steps"] == steps
     assert (f"train: {steps:,} optimizer steps of 1 process(es) × batch 4 (max_steps, ≈ {epochs:.2f} epochs, "
-            "train.nproc_per_node 1)") in text
+            "train.nproc_per_node 1 × train.nnodes 1)") in text
 
 
 def test_estimate_of_the_8b_example_states_rate_and_sizes(cli, tmp_path):
