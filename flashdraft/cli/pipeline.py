@@ -88,7 +88,7 @@ def run(
                 made = False if key_path(cfg.train).exists() else None  # None: made by the first train
                 for line in fleet_recipe(cfg.train, fleet_layers(cfg.train), made):
                     out.print(f"  {line}", soft_wrap=True, markup=False, highlight=False)
-            except (OSError, ValueError) as e:
+            except (OSError, ValueError, ExpectedFailure) as e:  # a target not here: said, not a traceback
                 out.print(f"  cannot name the layers: the target's config is not readable here ({e})")
         if json_out:
             emit_json({"dry_run": True, "stages": planned,

@@ -175,7 +175,8 @@ def fleet_layers(cfg: TrainConfig) -> list[int]:
 def recipe_line(cfg: TrainConfig, layer_ids: list[int] | None, key_made: bool = False) -> str:
     """The recipe on one line, for an error that a started fleet would fix."""
     if layer_ids is None:
-        return "start the fleet as `flashdraft run CONFIG --from train --dry-run` prints it"
+        return (f"start the fleet as `flashdraft run CONFIG --from train --dry-run` prints it (the fleet's key: "
+                f"{key_path(cfg)}{', made now' if key_made else ''})")
     return "start the fleet, in this order: " + " ".join(fleet_recipe(cfg, layer_ids, key_made))
 
 
