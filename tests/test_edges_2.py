@@ -5,6 +5,7 @@ Each failed on the code before the fix."""
 
 import json
 import os
+import shlex
 import subprocess
 import sys
 import threading
@@ -203,8 +204,10 @@ def test_a_push_from_a_read_only_source_commits_and_reruns(tmp_path, s3env, kind
         small_artifact(src, kind=kind)
     mount, url = tmp_path / "ro", new_url()
     mount.mkdir()
-    script = (f"mount --bind -o ro {src} {mount} && for i in 1 2; do {sys.executable} -m flashdraft sync push "
-              f"{mount} {url} || exit 1; done")
+    # Quoted: a clone's path may hold a space (CI runs from `…/ci clone/flashdraft`).
+    q = shlex.quote
+    script = (f"mount --bind -o ro {q(str(src))} {q(str(mount))} && for i in 1 2; do {q(sys.executable)} -m flashdraft "
+              f"sync push {q(str(mount))} {q(url)} || exit 1; done")
     proc = subprocess.run(["unshare", "--mount", "sh", "-c", script], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr  # the push and its rerun
     assert "already done, verified" in proc.stdout + proc.stderr

@@ -8,6 +8,7 @@ tests/evaluate/test_engines.py."""
 
 import json
 import os
+import shlex
 import signal
 import subprocess
 import sys
@@ -125,7 +126,8 @@ def eval_setup(tmp_path_factory, tiny_model_dir):
     prompts = where / "p.jsonl"
     prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in ("Name a colour.", "Say hello.")))
     wrapper = where / "python"
-    wrapper.write_text(f"#!/bin/sh\nexec {sys.executable} {STANDIN} \"$@\"\n")
+    # Quoted: a clone's path may hold a space (CI runs from `…/ci clone/flashdraft`).
+    wrapper.write_text(f"#!/bin/sh\nexec {shlex.quote(sys.executable)} {shlex.quote(str(STANDIN))} \"$@\"\n")
     wrapper.chmod(0o755)
     return drafter, prompts, wrapper
 

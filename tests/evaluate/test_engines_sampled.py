@@ -93,7 +93,8 @@ def test_at_temperature_one_the_engines_agree_with_eval_under_its_draft_rule(tmp
 
 EXPAND_PROBE = """
 import torch
-import vllm._C
+from vllm.platforms.cpu import CpuPlatform
+CpuPlatform.import_kernels()  # the kernels this CPU can run (AVX-512 or AVX2): `import vllm._C` alone needs AVX-512
 from vllm.utils import cpu_triton_utils
 out = torch.full((5,), float("nan"))
 cpu_triton_utils._expand_kernel_impl(out, torch.tensor([0.6, 1.0]), torch.tensor([2, 5], dtype=torch.int32), 0, 1)

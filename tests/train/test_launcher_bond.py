@@ -21,6 +21,14 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def own_session(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return int(f.read().rsplit(")", 1)[1].split()[3]) == pid  # the 6th field of stat is the session
+    except OSError:
+        return False
+
+
 def test_a_process_whose_torchrun_is_killed_while_it_starts_ends_at_once_in_one_line(tiny_target, tiny_dataset,
                                                                                     tmp_path):
     config = tmp_path / "c.yaml"
@@ -34,7 +42,9 @@ def test_a_process_whose_torchrun_is_killed_while_it_starts_ends_at_once_in_one_
         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True,
         env=dict(os.environ, OMP_NUM_THREADS="1"))
     deadline = time.time() + 120
-    while not (workers := children(torchrun.pid)):  # the training process exists: it is starting its interpreter
+    # The training process exists and has its own session: it is starting its interpreter. (Between fork and setsid
+    # it is still in torchrun's group, and the group's SIGKILL below would end it with no chance to speak.)
+    while not (workers := [pid for pid in children(torchrun.pid) if own_session(pid)]):
         assert torchrun.poll() is None and time.time() < deadline, "torchrun started no process"
         time.sleep(0.005)
     os.killpg(torchrun.pid, signal.SIGKILL)  # a scheduler's kill, mid start-up (the worker is in its own session)
