@@ -107,13 +107,14 @@ def main() -> None:
     ap.add_argument("--json", action="store_true", help="also print the rows as one JSON object")
     args = ap.parse_args()
     sys.path.insert(0, str(ROOT))
-    from flashdraft.demo import DEMO_SETTINGS, QUICK_SETTINGS
+    from flashdraft.demo import DEMO_SETTINGS, QUICK_SETTINGS, for_this_cpu
 
     known = yaml.safe_load(LEVERS.read_text())
     names = args.levers.split(",")
     if unknown := [n for n in names if n not in known]:
         raise SystemExit(f"unknown lever(s) {', '.join(unknown)}: benchmarks/levers.yaml has {', '.join(known)}")
-    base = {**(QUICK_SETTINGS if args.base == "quick" else DEMO_SETTINGS),
+    # the demo's settings as the demo runs them on this CPU (float32 where bfloat16 would be emulated: demo.py)
+    base = {**for_this_cpu(QUICK_SETTINGS if args.base == "quick" else DEMO_SETTINGS),
             **{key: yaml.safe_load(value) for key, value in (s.split("=", 1) for s in args.set)}}
     args.work.mkdir(parents=True, exist_ok=True)
     rows = []

@@ -33,6 +33,19 @@ def cli():
     return run_cli
 
 
+@pytest.fixture(autouse=True)
+def the_environment_as_the_test_found_it():
+    """Whatever a test's in-process code puts in os.environ (a library's setdefault, tokenize's
+    TOKENIZERS_PARALLELISM) ends with the test. Left behind, it made every later `flashdraft` command on that worker
+    differ from the forked server's environment, so each started a fresh interpreter: seconds of imports, hundreds
+    of times (tests/forked_cli.py)."""
+    before = dict(os.environ)
+    yield
+    if os.environ != before:
+        os.environ.clear()
+        os.environ.update(before)
+
+
 # ------------------------------------------------------------------------------------------- SeaweedFS
 
 

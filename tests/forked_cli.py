@@ -10,7 +10,8 @@ code what the interpreter's would be (threads joined, atexit handlers run).
 Where a fork could differ from a fresh interpreter, `run` starts a fresh one instead: an environment that differs in
 anything read at import time (only FLASHDRAFT_*, AWS_*, PYTEST_* and TORCHINDUCTOR_CACHE_DIR may differ: flashdraft,
 boto3 and torch read those when a command runs), or any subprocess option but `check`, `cwd`, `env` and `timeout`.
-`FLASHDRAFT_TEST_FORK=0` turns the fast path off for a whole run.
+`FLASHDRAFT_TEST_FORK=0` turns the fast path off for a whole run; `FLASHDRAFT_TEST_FORK_MISSES=FILE` appends to FILE
+each test's command that could not fork and the variables that stopped it.
 
     python tests/forked_cli.py SOCKET PARENT-PID    # the server: imports, then forks one process per request
 """
@@ -180,7 +181,11 @@ class ForkedCli:
         if set(kwargs) - {"cwd", "env", "timeout"} or self.process.poll() is not None:
             return False
         differ = {key for key in env.keys() | self.env.keys() if env.get(key) != self.env.get(key)}
-        return all(key.startswith(RUNTIME_PREFIXES) or key in RUNTIME_KEYS for key in differ)
+        read_at_import = sorted(k for k in differ if not k.startswith(RUNTIME_PREFIXES) and k not in RUNTIME_KEYS)
+        if read_at_import and os.environ.get("FLASHDRAFT_TEST_FORK_MISSES"):  # where the fast path was lost, and why
+            with open(os.environ["FLASHDRAFT_TEST_FORK_MISSES"], "a") as f:
+                f.write(f"{os.environ.get('PYTEST_CURRENT_TEST')}: {' '.join(read_at_import)}\n")
+        return not read_at_import
 
     def run(self, args: tuple[str, ...], env: dict[str, str], cwd: str, timeout: float | None
             ) -> subprocess.CompletedProcess:

@@ -173,8 +173,20 @@ def test_demo_yaml_matches_what_demo_runs():
     from flashdraft.demo import demo_config
 
     examples = Path(__file__).resolve().parent.parent / "examples"
-    assert load_config(examples / "demo.yaml") == demo_config()
-    assert load_config(examples / "demo-full.yaml") == demo_config(full=True)
+    assert load_config(examples / "demo.yaml") == demo_config(native=True)  # as on a CPU with bfloat16 in hardware
+    assert load_config(examples / "demo-full.yaml") == demo_config(full=True, native=True)
+
+
+def test_without_bfloat16_in_hardware_the_demo_computes_in_float32_and_changes_nothing_else():
+    from flashdraft.demo import demo_config
+
+    native, emulated = demo_config(native=True), demo_config(native=False)
+    assert (native.generate.dtype, native.train.target_dtype, native.train.bf16) == ("bfloat16", "bfloat16", True)
+    assert (emulated.generate.dtype, emulated.train.target_dtype, emulated.train.bf16) == ("float32", "float32", False)
+    as_native = emulated.model_copy(update={
+        "generate": emulated.generate.model_copy(update={"dtype": "bfloat16"}),
+        "train": emulated.train.model_copy(update={"target_dtype": "bfloat16", "bf16": True})})
+    assert as_native == native
 
 
 def test_the_docs_describe_the_demo_that_runs():
