@@ -141,7 +141,7 @@ def eval_args(tmp_path: Path, setup, target: str, out: Path) -> list[str]:
 
 
 def standin_env(mode: str, **more: str) -> dict[str, str]:
-    return dict(os.environ, STANDIN_MODE=mode, **more)
+    return dict(os.environ, FLASHDRAFT_STANDIN_MODE=mode, **more)
 
 
 def test_eval_measures_the_engine_it_started_and_reads_its_empty_health_answer(cli, tmp_path, eval_setup,
@@ -254,7 +254,7 @@ def test_an_eval_stopped_or_killed_leaves_no_engine_running(tmp_path, eval_setup
     # the engine starts after eval's own decoding: eval is stopped the moment the engine has written its pids
     proc = subprocess.Popen([sys.executable, "-m", "flashdraft", *eval_args(tmp_path, eval_setup, tiny_model_dir,
                                                                                out)],
-                            env=standin_env("child", STANDIN_PIDS=str(pids)), stdout=subprocess.PIPE,
+                            env=standin_env("child", FLASHDRAFT_STANDIN_PIDS=str(pids)), stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
     deadline = time.time() + 300
     while not pids.exists() and proc.poll() is None and time.time() < deadline:

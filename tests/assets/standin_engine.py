@@ -1,13 +1,13 @@
 """A stand-in for vLLM's OpenAI server, for what a real engine cannot be made to do: answer from a neighbour's
 process, die mid-run, leave a child behind, send counters that do not add up. Started by eval as vLLM would be
 (`eval.engine_python` names a wrapper that runs this file), it reads `--uds PATH` like vLLM and behaves as
-$STANDIN_MODE says:
+$FLASHDRAFT_STANDIN_MODE says:
 
 - honest:     serves /health (200, empty body, as vLLM), /metrics and /v1/completions; one draft a token, half kept
 - neighbour:  a process in another session binds the socket and answers (with counters worth τ 4); this one
               "loads" forever
 - dies:       serves /health, then exits 3 on the first completion, after a last line in its log
-- child:      honest, plus a grandchild that sleeps; both pids go to $STANDIN_PIDS
+- child:      honest, plus a grandchild that sleeps; both pids go to $FLASHDRAFT_STANDIN_PIDS
 - garbage:    /metrics carries a position label far past the block and a NaN counter
 """
 
@@ -19,7 +19,7 @@ import sys
 import time
 from http.server import BaseHTTPRequestHandler
 
-MODE = os.environ.get("STANDIN_MODE", "honest")
+MODE = os.environ.get("FLASHDRAFT_STANDIN_MODE", "honest")
 COUNTS = {"drafts": 0, "draft_tokens": 0, "accepted": 0}
 
 
@@ -75,14 +75,14 @@ def main() -> None:
     path = sys.argv[sys.argv.index("--uds") + 1]
     if MODE == "neighbour":
         # another session, not the engine's group: what a neighbour that took the address would be
-        subprocess.Popen([sys.executable, __file__, "--uds", path], env=dict(os.environ, STANDIN_MODE="honest-8"),
-                         start_new_session=True)
+        subprocess.Popen([sys.executable, __file__, "--uds", path],
+                         env=dict(os.environ, FLASHDRAFT_STANDIN_MODE="honest-8"), start_new_session=True)
         while True:
             time.sleep(1)
     if MODE == "child":
         child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
         # written whole, then renamed: the test reads the file the moment it exists
-        pids = os.environ["STANDIN_PIDS"]
+        pids = os.environ["FLASHDRAFT_STANDIN_PIDS"]
         with open(pids + ".tmp", "w") as f:
             f.write(f"{os.getpid()} {child.pid}\n")
         os.replace(pids + ".tmp", pids)
