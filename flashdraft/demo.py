@@ -104,7 +104,7 @@ DEFAULT_WORKDIR = {False: Path("flashdraft-work"), True: Path("flashdraft-work-f
 
 
 # Where the CPU has no bfloat16 in hardware (no AVX512-BF16 or AMX: an AVX2 machine), torch emulates each bfloat16
-# matmul: 40x the time of float32 on 2 AVX2 cores (measured: 64×576 by 576×1536, one thread; 98 ms against 2.5 ms).
+# matmul: 40x the time of float32 on 2 AVX2 cores (benchmarks/cpu_dtype_bench.py; its figures in RESULTS.md).
 # The demo's bfloat16 was chosen on an AVX512-BF16 CPU, where it is the faster one; elsewhere it computes in float32.
 FLOAT32_INSTEAD = {"generate.dtype": "float32", "train.target_dtype": "float32", "train.bf16": False}
 
