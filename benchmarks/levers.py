@@ -6,8 +6,10 @@
 
 A lever (benchmarks/levers.yaml) is a named set of config overrides on top of the demo's settings, plus, where
 it needs one, a data recipe (generate / tokenize overrides). Each distinct recipe's data is built once under
---work by the real pipeline (`flashdraft run --until tokenize`); every lever then trains its own drafter with the
-real `flashdraft train` from that data with the same seeds, and is scored two ways:
+--work by the real stages: `flashdraft generate` once for each distinct generate recipe (levers that differ only in
+how they tokenize, as block-8 does, share the target's answers: generation is most of the data's time), then
+`flashdraft tokenize` of those answers; every lever then trains its own drafter with the real `flashdraft train`
+from that data with the same seeds, and is scored two ways:
 - `flashdraft eval` on the base's held-out prompts (builtin:chat-heldout: hand-written, no training prompt shares
   a template with them): τ by decoding, lossless checked;
 - the training log's walk: the last held-out record in the run's metrics.jsonl (the serving walk over held-out
@@ -66,9 +68,10 @@ def as_config(settings: dict, workdir: Path) -> dict:
     return load_config(None, {"workdir": str(workdir), **settings}).model_dump(mode="json", exclude_unset=True)
 
 
-def data_key(settings: dict) -> str:
-    """Levers whose generate and tokenize settings agree share one dataset."""
-    recipe = {k: v for k, v in sorted(settings.items()) if k.split(".")[0] in ("generate", "tokenize")}
+def data_key(settings: dict, sections: tuple[str, ...] = ("generate", "tokenize")) -> str:
+    """Levers whose settings of these sections agree share their output: one dataset (generate and tokenize), one
+    generation (generate alone)."""
+    recipe = {k: v for k, v in sorted(settings.items()) if k.split(".")[0] in sections}
     return hashlib.sha256(json.dumps(recipe, sort_keys=True).encode()).hexdigest()[:10]
 
 
@@ -83,10 +86,12 @@ def run_lever(name: str, lever: dict, base: dict, work: Path) -> dict:
     from flashdraft.artifact.manifest import read_manifest
 
     settings = lever_settings(base, lever)
-    data_dir = work / f"data-{data_key(settings)}"  # its generate/ and dataset/ live under it
+    data_dir = work / f"data-{data_key(settings)}"  # its dataset/ lives under it
+    answers = work / f"generate-{data_key(settings, ('generate',))}"  # shared by every tokenize recipe
     config = work / f"lever-{name}.yaml"
     config.write_text(yaml.safe_dump(as_config(settings, data_dir)))
-    flashdraft("run", str(config), "--until", "tokenize")
+    flashdraft("generate", "--config", str(config), "--out", str(answers))  # a done one says so in seconds
+    flashdraft("tokenize", "--config", str(config), "--input", str(answers), "--out", str(data_dir / "dataset"))
     out = work / f"lever-{name}"
     flashdraft("train", "--config", str(config), "--data", str(data_dir / "dataset"), "--out", str(out))
     flashdraft("eval", "--config", str(config), "--drafter", str(out / "drafter"), "--out", str(work / f"eval-{name}"))

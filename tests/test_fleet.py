@@ -1,7 +1,7 @@
 """The fleet test: the README's multi-machine path, every machine a separate workdir and process, S3 between.
 
     generation hosts 0, 1   `run --until generate --store S` (generate.shard_index 0 / 1 of 2), each against its
-                            own `transformers serve` of the embedded target (openai backend); each pushes its shard
+                            own `transformers serve` (openai backend); each pushes its shard
     CPU box                 `run --from tokenize --until tokenize --store S`: pulls both shards, tokenizes, pushes
     training node           `sync pull` the dataset, `torchrun --nproc-per-node 2 -m flashdraft train --push-to`,
                             SIGKILLed once two checkpoints are verified in the store
@@ -12,7 +12,9 @@
     status host             `status --store S`: every stage verified from the store; one object corrupted in the
                             store flips that stage, and the CPU box's next `run` repairs it
 
-Nothing is mocked: SeaweedFS on 127.0.0.1, real servers, real torchrun. The timeline of what each machine did is
+The model throughout is a tiny random-weight Llama with the embedded target's tokenizer and chat template: what is
+under test is the machines and the store between them, and it makes each stage seconds, not a minute. Nothing is
+mocked: SeaweedFS on 127.0.0.1, real servers, real torchrun. The timeline of what each machine did is
 printed (pytest -s) and is part of any failure message.
 """
 
@@ -104,14 +106,14 @@ def curve(train_dir: Path) -> dict[int, float]:
     return {m["step"]: m["loss"] for m in map(json.loads, (train_dir / "metrics.jsonl").open()) if "loss" in m}
 
 
-def test_a_fleet_of_machines_runs_the_pipeline_through_the_store(tmp_path, s3env, smollm2_dir):
+def test_a_fleet_of_machines_runs_the_pipeline_through_the_store(tmp_path, s3env, tiny_model_dir):
     prefix = f"fleet-{uuid.uuid4().hex[:8]}"
     store = f"s3://flashdraft/{prefix}"
     prompts = tmp_path / "prompts.jsonl"
     topics = ["rivers", "bread", "chess", "volcanoes", "owls", "bridges", "tea", "glaciers", "kites", "bees",
               "maps", "lighthouses"]
     prompts.write_text("".join(json.dumps({"prompt": f"Tell me two facts about {t}."}) + "\n" for t in topics))
-    fleet = Fleet(tmp_path, store, smollm2_dir, prompts)
+    fleet = Fleet(tmp_path, store, tiny_model_dir, prompts)
     client = s3env.client()
 
     def in_store(sub: str) -> list[str]:
@@ -120,7 +122,8 @@ def test_a_fleet_of_machines_runs_the_pipeline_through_the_store(tmp_path, s3env
 
     # Two generation hosts, each with its own server, generating and pushing its shard.
     with ExitStack() as servers:
-        urls = [servers.enter_context(transformers_serve(smollm2_dir, tmp_path / f"serve-{i}.log")) for i in range(2)]
+        urls = [servers.enter_context(transformers_serve(tiny_model_dir, tmp_path / f"serve-{i}.log"))
+                for i in range(2)]
         for i, url in enumerate(urls):
             host = f"gen-host-{i}"
             fleet.run(host, ["run", str(fleet.config(host, shard=i, base_url=f"{url}/v1")), "--until", "generate",

@@ -1,5 +1,6 @@
 """benchmarks/levers.py, the one lever harness (issue 48), end to end at a tiny size: real data, real training,
-real eval for each lever; levers with another data recipe get their own dataset; the table says both scores."""
+real eval for each lever; levers with another data recipe get their own dataset (from one generation where their
+generate settings agree); the table says both scores."""
 
 import json
 import subprocess
@@ -34,6 +35,8 @@ def test_two_levers_train_and_score_side_by_side(tmp_path):
     rows = json.loads(proc.stdout.strip().splitlines()[-1])["levers"]
     assert [r["lever"] for r in rows] == ["demo", "block-8"]
     assert rows[0]["data"] != rows[1]["data"]  # block-8's recipe tokenizes for blocks of 8: its own dataset
+    # … of the same answers: the two recipes agree on generate, so the target answered once
+    assert [p.name.split("-")[0] for p in tmp_path.glob("generate-*")] == ["generate"]
     assert all(r["tau"] >= 1.0 and r["lossless"] is True and r["train_s"] > 0 for r in rows)
     assert "| lever | what it changes | data | train time | eval τ | Δ | log walk τ | Δ | lossless |" in proc.stdout
     config = yaml.safe_load((tmp_path / "lever-block-8.yaml").read_text())

@@ -1,7 +1,8 @@
 """The runbook (docs/reference-run.md) and its config (examples/qwen3.6-27b.yaml) on the seeds' own topology.
 
     gen-0            N servers of the target on consecutive ports (the runbook's loop: port 8000 + GPU index); three
-                     `transformers serve` processes of the embedded target stand in for the seven
+                     `transformers serve` processes of a tiny random-weight Llama (the embedded target's tokenizer and
+                     chat template) stand in for the seven
     CPU box          `run CONFIG --until tokenize`: one generate process drives every server, tokenizes, pushes
     training node    an empty disk, `run CONFIG --from train`: pulls the dataset, starts train.nproc_per_node = 2
                      processes itself (two CPU processes stand in for the 2 + 2 GPUs, the example's per-process
@@ -100,8 +101,9 @@ def test_the_runbooks_seven_servers_are_the_examples_base_urls():
 
 
 def stand_in(example: dict, workdir: Path, *, model: str, prompts: Path, store: str, base_urls: list[str]) -> dict:
-    """The example as a machine here runs it. Replaced: the model (the embedded target; it has no thinking mode),
-    the sizes, the paths and the store; each `cuda:N` device entry becomes `cpu`. Kept: the backend, one generate
+    """The example as a machine here runs it. Replaced: the model (a tiny random-weight Llama with the embedded
+    target's tokenizer: a real architecture, seconds a stage; no thinking mode), the sizes, the paths and the store;
+    each `cuda:N` device entry becomes `cpu`. Kept: the backend, one generate
     process for every server, `train.nproc_per_node` with its per-process device entries, the stages' layout."""
     cfg = copy.deepcopy(example)
     cfg.update(workdir=str(workdir), store=store)
@@ -119,7 +121,7 @@ def stand_in(example: dict, workdir: Path, *, model: str, prompts: Path, store: 
 
 
 @pytest.mark.slow
-def test_the_seeds_topology_runs_the_runbook_end_to_end(tmp_path, s3env, smollm2_dir):
+def test_the_seeds_topology_runs_the_runbook_end_to_end(tmp_path, s3env, tiny_model_dir):
     example = yaml.safe_load(EXAMPLE.read_text())
     assert example["train"]["nproc_per_node"] == 2 and example["generate"]["backend"] == "openai"
     store = f"s3://flashdraft/reference-{uuid.uuid4().hex[:8]}"
@@ -132,7 +134,7 @@ def test_the_seeds_topology_runs_the_runbook_end_to_end(tmp_path, s3env, smollm2
         workdir = tmp_path / name
         workdir.mkdir()
         config = workdir / "qwen3.6-27b.yaml"
-        config.write_text(yaml.safe_dump(stand_in(example, workdir / "work", model=smollm2_dir, prompts=prompts,
+        config.write_text(yaml.safe_dump(stand_in(example, workdir / "work", model=tiny_model_dir, prompts=prompts,
                                                   store=store, base_urls=base_urls or [])))
         return config
 
@@ -147,7 +149,7 @@ def test_the_seeds_topology_runs_the_runbook_end_to_end(tmp_path, s3env, smollm2
     ports = free_port_block(3)
     logs = [tmp_path / f"serve-{i}.log" for i in range(3)]
     with ExitStack() as servers:
-        urls = [servers.enter_context(transformers_serve(smollm2_dir, log, port=port)) + "/v1"
+        urls = [servers.enter_context(transformers_serve(tiny_model_dir, log, port=port)) + "/v1"
                 for port, log in zip(ports, logs, strict=True)]
         cpu_box = machine("cpu-box", urls)
         run("cpu-box", "run", str(cpu_box), "--until", "tokenize")

@@ -16,10 +16,17 @@ To verify drafts at temperature > 0 (vllm-project/vllm#55005, fixed upstream by 
   rejected, some runs and not others. The stand-in is replaced by the same expansion in torch — only where a probe
   finds the installed vLLM still leaves a float output unwritten, so a vLLM with the fix keeps its own.
 
+To start in two processes, not three: the CPU platform turns vLLM's default single-process executor into the
+multiprocess one (a worker process beside the engine core, for its OpenMP thread binding) unless
+VLLM_ENABLE_V1_MULTIPROCESSING is 0. The API server starts its engine core in a process of its own either way, so 0
+here only keeps the worker inside the engine core: each process imports vLLM and torch for about 13 s of one core on
+2 AVX2 cores (measured from the engine's log), a third of a start. Set only when the environment has not chosen.
+
 Nothing changes on a machine with a GPU, or in a process without vLLM (the guard that starts it).
 """
 
 import importlib.util
+import os
 
 
 def expand_in_torch(output, input_val, cu_num_tokens, replace_from, replace_to, MAX_NUM_TOKENS=None):  # noqa: N803
@@ -47,6 +54,7 @@ if importlib.util.find_spec("vllm") is not None:
     import torch
 
     if not torch.cuda.is_available():
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # read by the CPU platform's config check
         _empty_like = torch.empty_like
 
         def _empty_like_unpinned(*args, pin_memory=False, **kwargs):
