@@ -1,6 +1,6 @@
 """What the demo's dtype costs on this CPU: one thread's matmul of the embedded target's MLP shape (64 rows × 576 by
 576 × 1,536) in float32 and in bfloat16, and whether torch's oneDNN has bfloat16 in hardware here
-(flashdraft/demo.py native_bfloat16: the demo computes in float32 where it has not).
+(flashdraft/cpu_bfloat16.py native_bfloat16: the demo computes in float32 where it has not).
 
     .venv/bin/python benchmarks/cpu_dtype_bench.py
 """
@@ -10,7 +10,7 @@ import time
 
 import torch
 
-from flashdraft.demo import native_bfloat16
+from flashdraft.cpu_bfloat16 import native_bfloat16
 
 
 def ms_per_matmul(dtype: torch.dtype, repeats: int = 100) -> float:

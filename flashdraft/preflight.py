@@ -13,6 +13,7 @@ What is checked, each one line — `ok` with what was found, or the reason namin
 - **prompts**: the built-in set exists, or the file/directory is readable, with its count of lines.
 - **disk**: free space where the workdir lives against `flashdraft estimate`'s sizes.
 - **devices**: each CUDA device train is told to use exists.
+- **bfloat16 on a CPU** that emulates it (no AVX512-BF16 or AMX): a notice naming the settings that ask for it.
 
 Checks only read, except the store's probe object, which lives under an internal name (`.flashdraft-preflight-…`)
 that no listing of an artifact shows, and is deleted at once.
@@ -30,6 +31,7 @@ from pathlib import Path
 from flashdraft.artifact.atomic import INTERNAL_PREFIX
 from flashdraft.checks import Check, check_disk, guarded
 from flashdraft.config import EMBEDDED_TARGET, GenerateConfig, PipelineConfig, TrainConfig
+from flashdraft.cpu_bfloat16 import bfloat16_on_this_cpu
 from flashdraft.errors import ExpectedFailure
 from flashdraft.node_checks import check_gpu_memory, dataset_here_or_in_the_store, disk_from_the_dataset
 
@@ -326,6 +328,8 @@ def pipeline_checks(cfg: PipelineConfig, stages: list[str], every: bool = True) 
 
         checks += [guarded(f"eval engine {engine}", lambda engine=engine: check_engine(
             engine, cfg.eval.engine_url, cfg.eval.engine_python)) for engine in cfg.eval.engines]
+    if notice := bfloat16_on_this_cpu(cfg, stages):
+        checks.append(notice)
     if every or all(c.ok for c in checks):
         checks.append(_disk_for(cfg, stages))
     return checks

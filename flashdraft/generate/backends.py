@@ -106,6 +106,7 @@ class HFBackend:
         import torch
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
+        from flashdraft.cpu_bfloat16 import bfloat16_notice
         from flashdraft.model.resolve import resolve_model, stop_token_ids
         from flashdraft.model.target import weight_dtype
 
@@ -118,6 +119,8 @@ class HFBackend:
         if self.tokenizer.pad_token_id is None:
             self.tokenizer.pad_token = self.tokenizer.eos_token
         self.model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
+        if dtype == torch.bfloat16 and (notice := bfloat16_notice(device)):
+            log(f"generate: generate.dtype bfloat16 — {notice}")
         self.eos_ids = stop_token_ids(self.tokenizer, self.model.generation_config.eos_token_id)
         self.device = device
 

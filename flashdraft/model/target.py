@@ -15,6 +15,7 @@ from collections.abc import Callable
 import torch
 from transformers.modeling_outputs import BaseModelOutput
 
+from flashdraft.cpu_bfloat16 import bfloat16_notice
 from flashdraft.errors import BadInput
 from flashdraft.model.drafter import DFlashDrafter
 from flashdraft.model.families import language_model
@@ -126,6 +127,8 @@ class Target:
             self.model.to(device)
         self._adopt(self.model)
         self.config = whole.get_text_config()  # the target as it is, layers included (the drafter's shape)
+        if weight_dtype(dtype, device) == torch.bfloat16 and (notice := bfloat16_notice(device)):
+            log(f"target: bfloat16 — {notice}")
         path_taken = linear_attention_path(self.config)
         if path_taken and "reference loop" in path_taken and device.startswith("cuda"):  # a CPU has no other path
             log(f"target: {path_taken}")

@@ -16,6 +16,7 @@ from flashdraft.artifact.manifest import Lineage, check_done, read_manifest
 from flashdraft.artifact.ownership import adopt, claim_output, mark_output, now_iso, output_lock, refuse_overlap
 from flashdraft.artifact.verified import InputArtifact
 from flashdraft.config import TrainConfig
+from flashdraft.cpu_bfloat16 import bfloat16_notice
 from flashdraft.errors import BadTrainingInput
 from flashdraft.layout import CHECKPOINTS, DRAFTER
 from flashdraft.model.drafter import DFlashDrafter, draft_config
@@ -56,6 +57,7 @@ from flashdraft.train.launch import die_with_launcher, run_launched, under_a_lau
 from flashdraft.train.lineage import open_dataset, run_lineage
 from flashdraft.train.loop import Diverged, Setup, all_finite, data_unchanged, divergence, loop
 from flashdraft.train.metrics import MetricSinks, truncate_metrics
+from flashdraft.train.objectives import bf16_matmuls
 from flashdraft.train.optim import build_optimizers
 
 
@@ -164,6 +166,8 @@ def train_from(cfg: TrainConfig, data: InputArtifact, out: Path, target_path: st
     say(f"train: {len(s.train_ids)} training / {len(s.heldout_ids)} held-out samples, {where.world} process(es), "
         f"{s.total_steps} steps, drafter {sum(p.numel() for p in s.drafter.parameters()) / 1e6:.1f}M params, "
         f"mask token {s.drafter.mask_token_id}, target layers {s.drafter.target_layer_ids}")
+    if bf16_matmuls(cfg, where.device) and (notice := bfloat16_notice(where.device)):
+        say(f"train: train.bf16 — {notice}")
 
     started = time.perf_counter()
     shipper = CheckpointShipper(out, cfg, say, lineage)
