@@ -39,6 +39,7 @@ PRELOAD = ("torch", "transformers", "transformers.models.llama.modeling_llama", 
 READY = b"ready\n"
 BASE_ENV = dict(os.environ)  # as this module is first imported (by conftest), before any test changes it
 _server: ForkedCli | None = None
+_starting = threading.Lock()  # commands run together start the server once
 
 
 def run_cli(*args: str, check: bool = False, **kwargs) -> subprocess.CompletedProcess:
@@ -48,8 +49,9 @@ def run_cli(*args: str, check: bool = False, **kwargs) -> subprocess.CompletedPr
     env = dict(kwargs.get("env") or os.environ)
     proc = None
     if os.environ.get("FLASHDRAFT_TEST_FORK", "1") != "0":
-        if _server is None:
-            _server = ForkedCli(Path(tempfile.mkdtemp(prefix="flashdraft-cli-")), BASE_ENV)
+        with _starting:
+            if _server is None:
+                _server = ForkedCli(Path(tempfile.mkdtemp(prefix="flashdraft-cli-")), BASE_ENV)
         if _server.can_run(env, kwargs):
             proc = _server.run(args, env, str(kwargs.get("cwd") or os.getcwd()), kwargs.get("timeout"))
     if proc is None:
@@ -60,6 +62,15 @@ def run_cli(*args: str, check: bool = False, **kwargs) -> subprocess.CompletedPr
 
 
 # ---------------------------------------------------------------------------------------------- the server
+
+
+def run_cli_together(*commands: list[str], **kwargs) -> list[subprocess.CompletedProcess]:
+    """Each command as `run_cli` runs it, all started at once and run concurrently (a thread waits on each), as
+    processes Popen'd together would be: the races the trust tests start. Their results, in the commands' order."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(max_workers=len(commands)) as pool:
+        return list(pool.map(lambda args: run_cli(*args, **kwargs), commands))
 
 
 def serve(path: str, parent: int) -> None:

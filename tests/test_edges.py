@@ -16,6 +16,7 @@ import pytest
 from flashdraft.artifact.manifest import build_manifest, write_manifest
 from flashdraft.artifact.ownership import lock_path
 from tests.artifact.test_ownership import HOLD, tree_digest
+from tests.forked_cli import run_cli, run_cli_together
 from tests.test_trust import one_line_error
 
 FLASHDRAFT = [sys.executable, "-m", "flashdraft"]
@@ -290,7 +291,7 @@ def test_a_push_that_said_verified_is_not_broken_by_a_second_writer(tmp_path, s3
             continue
         raced += 1
         try:
-            second = subprocess.run([*FLASHDRAFT, "sync", "push", str(quick), url], capture_output=True, text=True)
+            second = run_cli("sync", "push", str(quick), url)
         finally:
             first.send_signal(signal.SIGCONT)
         out, err = first.communicate(timeout=120)
@@ -298,7 +299,7 @@ def test_a_push_that_said_verified_is_not_broken_by_a_second_writer(tmp_path, s3
         assert all("Traceback" not in e for _, e in outcomes.values()), outcomes
         said_verified = [name for name, (rc, _) in outcomes.items() if rc == 0]
         assert len(said_verified) <= 1, outcomes
-        verified = subprocess.run([*FLASHDRAFT, "verify", url], capture_output=True, text=True).returncode == 0
+        verified = run_cli("verify", url).returncode == 0
         assert verified == bool(said_verified), outcomes  # what said "verified" verifies; nothing else does
         for rc, e in outcomes.values():
             if rc != 0:
@@ -314,12 +315,11 @@ def test_two_concurrent_pushes_of_the_same_names_leave_one_whole_artifact_or_non
     sources = [many_files(tmp_path / name, 12, 20_000) for name in ("a", "b")]
     for _ in range(8):
         url = f"s3://flashdraft/t-{uuid.uuid4().hex[:10]}/art"
-        procs = [subprocess.Popen([*FLASHDRAFT, "sync", "push", str(src), url], stdout=subprocess.PIPE,
-                                  stderr=subprocess.PIPE, text=True) for src in sources]
-        results = [(p.wait(), *p.communicate()) for p in procs]
+        results = [(r.returncode, r.stdout, r.stderr) for r in run_cli_together(*(["sync", "push", str(src), url]
+                                                                                 for src in sources))]
         assert all("Traceback" not in err for _, _, err in results), results
         said = [src for src, (rc, _, _) in zip(sources, results, strict=True) if rc == 0]
-        verified = subprocess.run([*FLASHDRAFT, "verify", url], capture_output=True, text=True).returncode == 0
+        verified = run_cli("verify", url).returncode == 0
         assert verified == bool(said), results  # no mix that verifies; a "verified" that does not is a lie
         if said:  # one push's artifact, whole: that of one that said so (the later, when they ran one after the other)
             stored = s3env.client().get_object(Bucket="flashdraft", Key=f"{url[len('s3://flashdraft/'):]}/manifest.json")

@@ -20,6 +20,7 @@ from flashdraft.artifact.manifest import MANIFEST, read_manifest
 from flashdraft.artifact.prefix import EARLIER, PrefixBusy, WriterLease, this_process
 from flashdraft.artifact.store import StoreError, open_store
 from tests.artifact.test_ownership import tree_digest
+from tests.forked_cli import run_cli
 from tests.test_edges import many_files, s3_keys, small_artifact
 from tests.test_trust import one_line_error
 
@@ -157,11 +158,11 @@ def test_a_push_is_refused_while_generate_uploads_there(tmp_path, tiny_model_dir
     while WriterLease.NAME not in s3_keys(s3env, url) and time.time() < deadline and gen.poll() is None:
         time.sleep(0.1)
     other = small_artifact(tmp_path / "other", kind="files")
-    proc = subprocess.run([*FLASHDRAFT, "sync", "push", str(other), url], capture_output=True, text=True, timeout=60)
+    proc = run_cli("sync", "push", str(other), url, timeout=60)
     out, err = gen.communicate(timeout=180)
     assert "being written by flashdraft generate --upload-to" in one_line_error(proc)
     assert gen.returncode == 0, err
-    assert subprocess.run([*FLASHDRAFT, "verify", url], capture_output=True).returncode == 0
+    assert run_cli("verify", url).returncode == 0
 
 
 def test_an_interrupted_re_push_leaves_an_owner_that_another_directory_cannot_take(cli, tmp_path, s3env):
@@ -211,7 +212,7 @@ def test_a_push_from_a_read_only_source_commits_and_reruns(tmp_path, s3env, kind
     proc = subprocess.run(["unshare", "--mount", "sh", "-c", script], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr  # the push and its rerun
     assert "already done, verified" in proc.stdout + proc.stderr
-    assert subprocess.run([*FLASHDRAFT, "verify", url], capture_output=True).returncode == 0
+    assert run_cli("verify", url).returncode == 0
 
 
 # ---------------------------------------------------------------------------------------------- endpoints

@@ -16,6 +16,7 @@ import torch
 
 from flashdraft.artifact.manifest import MANIFEST, build_manifest, read_manifest, verify_dir, write_manifest
 from tests.artifact.test_ownership import tree_digest, users_dir
+from tests.forked_cli import run_cli, run_cli_together
 
 FLASHDRAFT = [sys.executable, "-m", "flashdraft"]
 
@@ -195,11 +196,10 @@ def test_two_pushes_to_one_prefix_never_leave_a_mixed_artifact_that_verifies(tmp
         sources.append(src)
     for attempt in range(5):
         url = f"s3://flashdraft/t-{uuid.uuid4().hex[:10]}/art-{attempt}"
-        procs = [subprocess.Popen([*FLASHDRAFT, "sync", "push", str(src), url], stdout=subprocess.PIPE,
-                                  stderr=subprocess.PIPE, text=True) for src in sources]
-        results = [(p.wait(), *p.communicate()) for p in procs]
+        results = [(r.returncode, r.stdout, r.stderr) for r in run_cli_together(*(["sync", "push", str(src), url]
+                                                                                 for src in sources))]
         assert all("Traceback" not in err for _, _, err in results), results
-        verified = subprocess.run([*FLASHDRAFT, "verify", url], capture_output=True, text=True).returncode == 0
+        verified = run_cli("verify", url).returncode == 0
         raw = s3env.client().get_object(Bucket="flashdraft", Key=url[len("s3://flashdraft/"):] + "/" + MANIFEST)[
             "Body"].read() if verified else None
         if verified:
@@ -259,10 +259,9 @@ def test_two_generate_runs_on_one_out_never_mix(tmp_path, tiny_model_dir):
     src = prompts_file(tmp_path / "p.jsonl", 4)
     for attempt in range(5):
         out = tmp_path / f"gen-{attempt}"
-        procs = [subprocess.Popen([*FLASHDRAFT, "generate", "--prompts", src, "--out", str(out), "--model",
-                                   tiny_model_dir, "--batch-size", "1", "--max-new-tokens", str(tokens)],
-                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for tokens in (2, 3)]
-        results = [(p.wait(), *p.communicate()) for p in procs]
+        results = [(r.returncode, r.stdout, r.stderr) for r in run_cli_together(
+            *(["generate", "--prompts", src, "--out", str(out), "--model", tiny_model_dir, "--batch-size", "1",
+               "--max-new-tokens", str(tokens)] for tokens in (2, 3)))]
         codes = sorted(code for code, _, _ in results)
         assert codes == [0, 1], results
         loser = next(err for code, _, err in results if code == 1)
@@ -277,9 +276,8 @@ def test_a_concurrent_tokenize_never_reports_a_dataset_that_does_not_verify(tmp_
     src = conversations(tmp_path / "c.jsonl", 40)
     for attempt in range(3):
         out = tmp_path / f"ds-{attempt}"
-        procs = [subprocess.Popen([*FLASHDRAFT, *tokenize_args(src, out, smollm2_dir)], stdout=subprocess.PIPE,
-                                  stderr=subprocess.PIPE, text=True) for _ in range(2)]
-        results = [(p.wait(), *p.communicate()) for p in procs]
+        results = [(r.returncode, r.stdout, r.stderr) for r in run_cli_together(
+            *(tokenize_args(src, out, smollm2_dir) for _ in range(2)))]
         assert verify_dir(out) == [] and read_manifest(out).stats["samples"] == 40
         for code, _, stderr in results:
             assert "Traceback" not in stderr
@@ -289,10 +287,8 @@ def test_a_concurrent_tokenize_never_reports_a_dataset_that_does_not_verify(tmp_
 def test_two_trainings_on_one_out_never_share_it(tmp_path, tiny_target, tiny_dataset):
     out = tmp_path / "out"
     config = train_config(tmp_path / "c.yaml", tiny_target, max_steps=6)
-    procs = [subprocess.Popen([*FLASHDRAFT, "train", "--config", str(config), "--data", str(tiny_dataset), "--out",
-                               str(out)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-             for _ in range(2)]
-    results = [(p.wait(), *p.communicate()) for p in procs]
+    results = [(r.returncode, r.stdout, r.stderr) for r in run_cli_together(
+        *(["train", "--config", str(config), "--data", str(tiny_dataset), "--out", str(out)] for _ in range(2)))]
     assert all("Traceback" not in err for _, _, err in results)
     refused = [err for code, _, err in results if code != 0]
     assert all("is in use by flashdraft train" in err for err in refused)
