@@ -196,8 +196,10 @@ def test_two_pushes_to_one_prefix_never_leave_a_mixed_artifact_that_verifies(tmp
         sources.append(src)
     for attempt in range(5):
         url = f"s3://flashdraft/t-{uuid.uuid4().hex[:10]}/art-{attempt}"
-        results = [(r.returncode, r.stdout, r.stderr) for r in run_cli_together(*(["sync", "push", str(src), url]
-                                                                                 for src in sources))]
+        # fresh interpreters, not run_cli_together: see test_edges.py's race of two pushes
+        procs = [subprocess.Popen([*FLASHDRAFT, "sync", "push", str(src), url], stdout=subprocess.PIPE,
+                                  stderr=subprocess.PIPE, text=True) for src in sources]
+        results = [(p.wait(), *p.communicate()) for p in procs]
         assert all("Traceback" not in err for _, _, err in results), results
         verified = run_cli("verify", url).returncode == 0
         raw = s3env.client().get_object(Bucket="flashdraft", Key=url[len("s3://flashdraft/"):] + "/" + MANIFEST)[
