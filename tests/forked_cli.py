@@ -45,13 +45,10 @@ _starting = threading.Lock()  # commands run together start the server once
 def run_cli(*args: str, check: bool = False, **kwargs) -> subprocess.CompletedProcess:
     """`python -m flashdraft ARGS` in a process of its own, as a user or a script would run it: forked from this
     process's server where the fork is the same command, else a fresh interpreter (subprocess.run's kwargs)."""
-    global _server
     env = dict(kwargs.get("env") or os.environ)
     proc = None
     if os.environ.get("FLASHDRAFT_TEST_FORK", "1") != "0":
-        with _starting:
-            if _server is None:
-                _server = ForkedCli(Path(tempfile.mkdtemp(prefix="flashdraft-cli-")), BASE_ENV)
+        forked_server()
         if _server.can_run(env, kwargs):
             proc = _server.run(args, env, str(kwargs.get("cwd") or os.getcwd()), kwargs.get("timeout"))
     if proc is None:
@@ -64,11 +61,24 @@ def run_cli(*args: str, check: bool = False, **kwargs) -> subprocess.CompletedPr
 # ---------------------------------------------------------------------------------------------- the server
 
 
+def forked_server() -> ForkedCli:
+    """This process's server, started on first use."""
+    global _server
+    with _starting:
+        if _server is None:
+            _server = ForkedCli(Path(tempfile.mkdtemp(prefix="flashdraft-cli-")), BASE_ENV)
+    return _server
+
+
 def run_cli_together(*commands: list[str], **kwargs) -> list[subprocess.CompletedProcess]:
     """Each command as `run_cli` runs it, all started at once and run concurrently (a thread waits on each), as
-    processes Popen'd together would be: the races the trust tests start. Their results, in the commands' order."""
+    processes Popen'd together would be: the races the trust tests start. Their results, in the commands' order.
+    The server is started here first, in the calling thread: it dies with the thread that started it (the parent
+    death signal follows a thread, not a process), and the pool's threads end with this call."""
     from concurrent.futures import ThreadPoolExecutor
 
+    if os.environ.get("FLASHDRAFT_TEST_FORK", "1") != "0":
+        forked_server()
     with ThreadPoolExecutor(max_workers=len(commands)) as pool:
         return list(pool.map(lambda args: run_cli(*args, **kwargs), commands))
 

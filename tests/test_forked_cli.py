@@ -52,3 +52,24 @@ def test_the_server_ends_with_the_process_that_started_it(tmp_path):
     while alive(server):
         assert time.time() < deadline, f"the fork server {server} outlived the process that started it"
         time.sleep(0.1)
+
+
+def test_commands_run_together_first_leave_the_server_for_the_next(tmp_path):
+    """`run_cli_together` as a process's first command: the server it starts outlives the call's threads (started in
+    one of them, it would die with it, as the parent death signal follows a thread), so the next command still forks,
+    and each of the commands run together ran concurrently in a process of its own."""
+    script = tmp_path / "first.py"
+    script.write_text(
+        "import json, sys\n"
+        f"sys.path.insert(0, {str(Path(__file__).resolve().parents[1])!r})\n"
+        "from tests import forked_cli\n"
+        "together = forked_cli.run_cli_together(['--help'], ['--help'])\n"
+        "server = forked_cli._server.process.pid\n"
+        "after = forked_cli.run_cli('--help')\n"
+        "print(json.dumps({'codes': [r.returncode for r in together] + [after.returncode],\n"
+        "                  'alive': forked_cli._server.process.poll() is None,\n"
+        "                  'same': forked_cli._server.process.pid == server}))\n")
+    env = {k: v for k, v in os.environ.items() if k != "FLASHDRAFT_TEST_FORK"}
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert json.loads(proc.stdout.strip().splitlines()[-1]) == {"codes": [0, 0, 0], "alive": True, "same": True}
